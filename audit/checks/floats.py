@@ -1,0 +1,50 @@
+"""NaN / Inf counting by bit pattern, so every float dtype vLLM stores (bf16 and fp8 included,
+which numpy cannot represent) is judged the same way by the CPU and GPU checkers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class FloatBits:
+    """Where exponent and mantissa sit in one element of a float dtype."""
+
+    itemsize: int
+    exponent_mask: int
+    mantissa_mask: int
+    has_inf: bool  # float8 e4m3fn has no Inf; its only NaN is S.1111.111
+
+
+FLOAT_DTYPES: dict[str, FloatBits] = {
+    "float32": FloatBits(4, 0x7F800000, 0x007FFFFF, True),
+    "float16": FloatBits(2, 0x7C00, 0x03FF, True),
+    "bfloat16": FloatBits(2, 0x7F80, 0x007F, True),
+    "float8_e5m2": FloatBits(1, 0x7C, 0x03, True),
+    "float8_e4m3fn": FloatBits(1, 0x78, 0x07, False),
+}
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+def count_nonfinite(data: np.ndarray, dtype: str) -> tuple[int, int]:
+    """(NaN count, Inf count) of the bytes in ``data`` read as ``dtype``; (0, 0) for non-floats.
+
+    Trailing bytes that do not fill a whole element are ignored.
+    """
+    bits = FLOAT_DTYPES.get(dtype)
+    if bits is None:
+        return 0, 0
+    usable = data.nbytes - data.nbytes % bits.itemsize
+    words = data[:usable].view(_UINT[bits.itemsize])
+    if not bits.has_inf:  # e4m3fn: NaN is exactly exponent and mantissa all ones
+        full = bits.exponent_mask | bits.mantissa_mask
+        return int(np.count_nonzero((words & full) == full)), 0
+    special = (words & bits.exponent_mask) == bits.exponent_mask
+    if not special.any():
+        return 0, 0
+    mantissa_zero = (words & bits.mantissa_mask) == 0
+    inf = int(np.count_nonzero(special & mantissa_zero))
+    return int(np.count_nonzero(special)) - inf, inf

@@ -1,0 +1,134 @@
+"""Where the cluster is and how to talk to it: settings, the admin HTTP client, the store client.
+
+Settings come from flags, then environment variables (both resolved by the CLI), then the Mooncake
+JSON config that vLLM's connector uses (`MOONCAKE_CONFIG_PATH`), then defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from audit.errors import AuditError
+
+
+DEFAULT_MASTER = "127.0.0.1:50051"
+DEFAULT_METADATA_PORT = 8080
+DEFAULT_ADMIN_PORT = 9003
+
+
+@dataclass(frozen=True)
+class Settings:
+    master: str
+    metadata: str
+    admin: str
+    protocol: str = "tcp"
+    device_name: str = ""
+    local_hostname: str | None = None
+
+    @classmethod
+    def resolve(cls, *, master: str | None = None, metadata: str | None = None, admin: str | None = None,
+                protocol: str | None = None, device_name: str | None = None,
+                local_hostname: str | None = None, config: Path | None = None) -> Settings:
+        """Explicit values win; the config file fills what is missing; defaults fill the rest."""
+        file = read_mooncake_config(config) if config else {}
+        master = master or file.get("master_server_address") or DEFAULT_MASTER
+        host = master.rsplit(":", 1)[0]
+        return cls(
+            master=master,
+            metadata=metadata or file.get("metadata_server") or f"http://{host}:{DEFAULT_METADATA_PORT}/metadata",
+            admin=(admin or f"http://{host}:{DEFAULT_ADMIN_PORT}").rstrip("/"),
+            protocol=protocol or file.get("protocol") or "tcp",
+            device_name=device_name if device_name is not None else file.get("device_name", ""),
+            local_hostname=local_hostname or file.get("local_hostname"),
+        )
+
+
+def read_mooncake_config(path: Path) -> dict:
+    """The JSON file vLLM's MooncakeStoreConnector reads (fields: master_server_address, ...)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as error:
+        raise AuditError(f"cannot read config {path}: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise AuditError(f"config {path} is not JSON: line {error.lineno}: {error.msg}") from None
+    if not isinstance(data, dict):
+        raise AuditError(f"config {path} must hold a JSON object")
+    return data
+
+
+class AdminClient:
+    """The master's admin HTTP port: listing and lease-free queries. Never its destructive routes."""
+
+    def __init__(self, base_url: str, timeout_s: float = 30.0):
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def _get(self, path: str) -> bytes:
+        url = self.base_url + path
+        try:
+            with urllib.request.urlopen(url, timeout=self.timeout_s) as response:
+                return response.read()
+        except urllib.error.HTTPError as error:
+            raise AuditError(f"admin {self.base_url} answered {error.code} to {path.split('?')[0]}") from None
+        except (OSError, ValueError) as error:
+            reason = getattr(error, "reason", error)
+            raise AuditError(f"admin {self.base_url} unreachable: {reason}") from None
+
+    def health(self) -> None:
+        self._get("/health")
+
+    def all_keys_body(self) -> bytes:
+        """`/get_all_keys`: one key per line (a key holding a newline arrives split)."""
+        return self._get("/get_all_keys")
+
+    def query(self, keys: list[str]) -> dict[str, dict]:
+        """`/batch_query_keys`: per key `{"ok", "error", "values": [replica...]}`; grants no lease.
+
+        Keys are percent-encoded; the master splits on commas even when encoded, so keys holding
+        a comma must not be passed here.
+        """
+        encoded = ",".join(urllib.parse.quote(key, safe="") for key in keys)
+        body = self._get("/batch_query_keys?keys=" + encoded)
+        try:
+            document = json.loads(body)
+        except json.JSONDecodeError:
+            raise AuditError(f"admin {self.base_url} sent a non-JSON answer to batch_query_keys") from None
+        if not document.get("success", False):
+            raise AuditError(f"admin {self.base_url} batch_query_keys failed: {str(document)[:200]}")
+        return document.get("data") or {}
+
+    def segments(self) -> list[str]:
+        body = self._get("/get_all_segments").decode(errors="replace")
+        return [line.strip() for line in body.splitlines() if line.strip()]
+
+
+def local_address_towards(master: str) -> str:
+    """The local IP the OS would use to reach the master: the auditor's transfer endpoint."""
+    host, _, port = master.rpartition(":")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, int(port or 1)))
+            return probe.getsockname()[0]
+    except (OSError, ValueError):
+        return "127.0.0.1"
+
+
+def open_store(settings: Settings, local_buffer_mb: int = 16):
+    """A `MooncakeDistributedStore` client that mounts no segment (global_segment_size=0)."""
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as error:
+        raise AuditError(f"the Mooncake client is not importable ({error}); see docs/quickstart.md") from None
+    store = MooncakeDistributedStore()
+    hostname = settings.local_hostname or local_address_towards(settings.master)
+    rc = store.setup(hostname, settings.metadata, 0, local_buffer_mb << 20, settings.protocol,
+                     settings.device_name, settings.master)
+    if rc != 0:
+        raise AuditError(f"cannot connect to master {settings.master} (setup returned {rc})")
+    return store

@@ -1,0 +1,121 @@
+"""How bytes arrive: `batch_get_into` into registered host buffers, batch by batch.
+
+Batches are bounded by bytes (one buffer half) and by `MAX_KEYS_PER_BATCH` (larger TCP batches
+overflow Mooncake's per-peer queue, FACTS §3). Two buffers alternate so the next batch can be in
+flight while the current one is checked. A value larger than a buffer is read alone into a
+one-off buffer: never skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from audit.records import KeyInfo
+
+MAX_KEYS_PER_BATCH = 1000
+ALIGNMENT = 64  # every value starts on a cache line: word views and GPU loads stay aligned
+
+# Mooncake error codes the audit meets (mooncake-store/include/types.h).
+ERROR_NAMES = {
+    -600: "BUFFER_OVERFLOW",
+    -704: "OBJECT_NOT_FOUND",
+    -706: "OBJECT_HAS_LEASE",
+    -800: "TRANSFER_FAIL",
+    -801: "CHECKSUM_MISMATCH",
+}
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+@dataclass(slots=True)
+class Slot:
+    key: KeyInfo
+    offset: int
+
+
+def plan_batches(keys: Sequence[KeyInfo], capacity: int,
+                 max_keys: int = MAX_KEYS_PER_BATCH) -> Iterator[list[Slot]]:
+    """Pack keys, in order, into batches that fit `capacity` bytes and `max_keys` keys."""
+    batch: list[Slot] = []
+    used = 0
+    for key in keys:
+        size = _aligned(key.size or 0)
+        if batch and (used + size > capacity or len(batch) >= max_keys):
+            yield batch
+            batch, used = [], 0
+        batch.append(Slot(key, used))
+        used += size
+    if batch:
+        yield batch
+
+
+class RegisteredBuffer:
+    """Host memory registered with the store so transfers land in it directly."""
+
+    def __init__(self, store, nbytes: int):
+        self.store = store
+        self.array = np.empty(max(nbytes, ALIGNMENT), dtype=np.uint8)
+        self.array.fill(0)  # touch the pages now, not during the first transfer
+        rc = store.register_buffer(self.array.ctypes.data, self.array.nbytes)
+        if rc != 0:
+            raise MemoryError(f"register_buffer of {nbytes} bytes failed ({rc})")
+
+    @property
+    def nbytes(self) -> int:
+        return self.array.nbytes
+
+    def release(self) -> None:
+        self.store.unregister_buffer(self.array.ctypes.data)
+
+
+@dataclass
+class FetchedBatch:
+    slots: list[Slot]
+    results: list[int]          # bytes read, or a negative Mooncake error code
+    buffer: RegisteredBuffer
+    one_off: bool = False
+
+    def view(self, slot: Slot, length: int) -> np.ndarray:
+        return self.buffer.array[slot.offset: slot.offset + length]
+
+    def release(self) -> None:
+        if self.one_off:
+            self.buffer.release()
+
+
+class LeaseReader:
+    """Reads through `batch_get_into`: simple and fast, but every read grants the key a lease."""
+
+    mode = "lease"
+
+    def __init__(self, store, buffer_bytes: int):
+        self.store = store
+        half = max(buffer_bytes // 2, ALIGNMENT)
+        self.buffers = [RegisteredBuffer(store, half), RegisteredBuffer(store, half)]
+
+    @property
+    def capacity(self) -> int:
+        return self.buffers[0].nbytes
+
+    def fetch(self, slots: list[Slot], turn: int) -> FetchedBatch:
+        needed = slots[-1].offset + (slots[-1].key.size or 0)
+        if needed > self.capacity:  # a single value larger than a buffer half
+            buffer, one_off = RegisteredBuffer(self.store, needed), True
+        else:
+            buffer, one_off = self.buffers[turn % 2], False
+        base = buffer.array.ctypes.data
+        results = self.store.batch_get_into(
+            [slot.key.name for slot in slots],
+            [base + slot.offset for slot in slots],
+            [slot.key.size or 0 for slot in slots],
+        )
+        return FetchedBatch(slots, list(results), buffer, one_off)
+
+    def close(self) -> None:
+        for buffer in self.buffers:
+            buffer.release()

@@ -1,0 +1,9 @@
+"""GPU (Triton) checks of fetched values: XXH3-64, all-zero flag and NaN/Inf counts in one read.
+
+Importing this package compiles nothing, but decorates Triton kernels: set TRITON_INTERPRET=1
+before importing it to run them on CPU tensors.
+"""
+
+from audit.kernels.launcher import check_regions
+
+__all__ = ["check_regions"]

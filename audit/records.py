@@ -1,0 +1,85 @@
+"""The data every stage passes on: what a key is, what was found in it, and the report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Verdict(StrEnum):
+    # Findings: exit 1.
+    ZERO_VALUE = "ZERO_VALUE"              # every byte of the value is zero
+    SHARED_CONTENT = "SHARED_CONTENT"      # identical non-zero bytes under two or more distinct keys
+    CHECKSUM_MISMATCH = "CHECKSUM_MISMATCH"  # Mooncake's CRC check failed on read (-801)
+    # Recorded, not a finding: the key went away between listing and reading.
+    VANISHED = "VANISHED"                  # -704
+    # Incomplete: the key could not be read; exit 3 when there is no finding.
+    UNREACHABLE = "UNREACHABLE"            # -800: the holder of the bytes is gone
+    READ_ERROR = "READ_ERROR"              # any other failure
+
+
+FINDINGS = frozenset({Verdict.ZERO_VALUE, Verdict.SHARED_CONTENT, Verdict.CHECKSUM_MISMATCH})
+INCOMPLETE = frozenset({Verdict.UNREACHABLE, Verdict.READ_ERROR})
+
+
+@dataclass(slots=True)
+class KeyInfo:
+    """A listed key: its exact name, its size from the lease-free query, its parsed fields."""
+
+    name: str
+    size: int | None = None
+    fields: dict = field(default_factory=dict)
+    replicas: list[dict] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class KeyRecord:
+    """What the audit learned about one key; `verdicts` empty means OK."""
+
+    key: str
+    size: int | None
+    fields: dict
+    xxh3: int | None = None
+    zero: bool | None = None
+    verdicts: list[str] = field(default_factory=list)
+    evidence: dict = field(default_factory=dict)
+    error: dict | None = None
+
+    @property
+    def is_finding(self) -> bool:
+        return any(v in FINDINGS for v in self.verdicts)
+
+    @property
+    def is_incomplete(self) -> bool:
+        return any(v in INCOMPLETE for v in self.verdicts)
+
+    def to_json(self) -> dict:
+        document = {
+            "key": self.key,
+            "verdicts": list(self.verdicts),
+            "size": self.size,
+            "xxh3": None if self.xxh3 is None else f"{self.xxh3:016x}",
+            "zero": self.zero,
+            "fields": self.fields,
+            "evidence": self.evidence,
+        }
+        if self.error is not None:
+            document["error"] = self.error
+        return document
+
+
+@dataclass(slots=True)
+class Report:
+    """The merged outcome of a scan: a summary plus every key's record."""
+
+    summary: dict
+    records: list[KeyRecord]
+    shared_groups: list[dict]
+
+    @property
+    def findings(self) -> list[KeyRecord]:
+        return [record for record in self.records if record.is_finding]
+
+    @property
+    def exit_code(self) -> int:
+        return self.summary["exit_code"]

@@ -1,0 +1,67 @@
+"""The default format: a summary and a table of findings (every key with `--all`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from audit.records import KeyRecord, Report
+from audit.report.inert import inert
+from audit.report.output import ReportOutput
+
+
+
+def _size(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _verdict_line(summary: dict) -> str:
+    if summary["findings"]:
+        return f"FINDINGS: {summary['findings']} key(s) flagged"
+    if not summary["complete"]:
+        return "INCOMPLETE: no findings, but not every key could be read"
+    return "CLEAN: every key read, no findings"
+
+
+class HumanSink:
+    def __init__(self, output: Path | None, *, include_all: bool = False):
+        self.output = output
+        self.include_all = include_all
+
+    def record(self, record: KeyRecord) -> None:
+        pass
+
+    def finish(self, report: Report) -> None:
+        out = ReportOutput(self.output)
+        console = Console(file=out.stream, highlight=False, soft_wrap=False, width=160,
+                          force_terminal=None if self.output is None else False)
+        summary = report.summary
+        console.print(_verdict_line(summary), markup=False)
+        rate = summary.get("bytes_per_s")
+        console.print(
+            f"{summary['keys_scanned']}/{summary['keys_listed']} keys, {_size(summary['bytes_scanned'])} "
+            f"in {summary['duration_s']:.2f} s ({_size(rate)}/s)" if rate else
+            f"{summary['keys_scanned']}/{summary['keys_listed']} keys, {_size(summary['bytes_scanned'])}",
+            markup=False)
+        if summary["verdicts"]:
+            console.print("verdicts: " + ", ".join(f"{v}={n}" for v, n in summary["verdicts"].items()),
+                          markup=False)
+        rows = report.records if self.include_all else report.findings
+        if rows:
+            table = Table(title=None, show_lines=False)
+            for column in ("key", "verdicts", "size", "xxh3"):
+                table.add_column(column, overflow="fold")
+            for record in rows:
+                table.add_row(inert(record.key), inert(",".join(record.verdicts) or "OK"),
+                              str(record.size if record.size is not None else "-"),
+                              f"{record.xxh3:016x}" if record.xxh3 is not None else "-")
+            console.print(table)
+        out.close()

@@ -1,0 +1,38 @@
+"""`--format json`: one versioned document (schema in docs/report-schema.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from audit.merge import SCHEMA, SCHEMA_VERSION
+from audit.records import KeyRecord, Report
+from audit.report.output import ReportOutput
+
+
+def report_document(report: Report, *, include_all: bool) -> dict:
+    document = {
+        "schema": SCHEMA,
+        "version": SCHEMA_VERSION,
+        "summary": report.summary,
+        "findings": [record.to_json() for record in report.findings],
+        "shared_groups": report.shared_groups,
+    }
+    if include_all:
+        document["keys"] = [record.to_json() for record in report.records]
+    return document
+
+
+class JsonSink:
+    def __init__(self, output: Path | None, *, include_all: bool = False):
+        self.output = output
+        self.include_all = include_all
+
+    def record(self, record: KeyRecord) -> None:
+        pass
+
+    def finish(self, report: Report) -> None:
+        out = ReportOutput(self.output)
+        json.dump(report_document(report, include_all=self.include_all), out.stream, indent=1)
+        out.write("\n")
+        out.close()

@@ -1,0 +1,52 @@
+"""The scan core: a set of keys in, one record per key out.
+
+Fetching and checking overlap: while batch i is checked, batch i+1 is already being read into the
+other buffer. The function knows nothing about listing or output, so a coordinator (Ray, say)
+can hand each machine its share of keys and merge the records with `audit.merge`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from audit.fetch import FetchedBatch, plan_batches
+from audit.judge import judge_read
+from audit.records import KeyInfo, KeyRecord
+
+
+def _check_batch(batch: FetchedBatch, checker) -> Iterator[KeyRecord]:
+    try:
+        for slot, code in zip(batch.slots, batch.results):
+            check = None
+            if code >= 0 and code == slot.key.size:
+                check = checker.check_value(batch.view(slot, code))
+            yield judge_read(slot.key, code, check)
+    finally:
+        batch.release()
+
+
+def scan_keys(keys: Sequence[KeyInfo], reader, checker, *,
+              stop: threading.Event | None = None,
+              on_batch: Callable[[list[KeyRecord]], None] | None = None) -> Iterator[KeyRecord]:
+    """Read and check `keys`; yields each key's record as soon as its batch is checked.
+
+    `stop` ends the scan cleanly between batches (keys not reached get no record).
+    """
+    batches = list(plan_batches(keys, reader.capacity))
+    if not batches:
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch") as pool:
+        pending = pool.submit(reader.fetch, batches[0], 0)
+        for turn in range(len(batches)):
+            fetched = pending.result()
+            stopping = stop is not None and stop.is_set()
+            if turn + 1 < len(batches) and not stopping:
+                pending = pool.submit(reader.fetch, batches[turn + 1], turn + 1)
+            records = list(_check_batch(fetched, checker))
+            if on_batch is not None:
+                on_batch(records)
+            yield from records
+            if stopping:
+                return

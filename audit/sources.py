@@ -1,0 +1,128 @@
+"""Key sources: which keys to audit, with their sizes, taken without leasing anything.
+
+The admin listing (`/get_all_keys`) splits a key that holds a newline into several lines; lines
+that the lease-free query does not know are rejoined with their neighbours until they name a key.
+A key holding a comma cannot be asked for through `/batch_query_keys`; its size comes from the
+store client instead (`size_of`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from audit.connection import AdminClient
+from audit.keys import parse_key
+from audit.records import KeyInfo
+
+QUERY_KEYS_PER_CALL = 1000
+QUERY_URL_BUDGET = 48 * 1024      # bytes of percent-encoded keys per `/batch_query_keys` call
+REJOIN_SPAN = 8                   # a key may hold up to this many newlines and still be found
+REJOIN_LIMIT = 1_000              # unknown lines beyond this are reported as vanished, not rejoined
+
+
+@dataclass(frozen=True)
+class KeyFilter:
+    prefix: str = ""
+    pattern: re.Pattern | None = None
+
+    def __call__(self, key: str) -> bool:
+        return key.startswith(self.prefix) and (self.pattern is None or self.pattern.search(key) is not None)
+
+
+@dataclass
+class Listing:
+    """The keys found, plus the names that vanished between listing and sizing."""
+
+    keys: list[KeyInfo]
+    vanished: list[str]
+    listed_lines: int
+
+
+def _chunks(keys: list[str]) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    budget = 0
+    for key in keys:
+        cost = len(key.encode()) * 3 + 1
+        if chunk and (len(chunk) >= QUERY_KEYS_PER_CALL or budget + cost > QUERY_URL_BUDGET):
+            yield chunk
+            chunk, budget = [], 0
+        chunk.append(key)
+        budget += cost
+    if chunk:
+        yield chunk
+
+
+def _key_info(name: str, answer: dict) -> KeyInfo | None:
+    replicas = answer.get("values") or answer.get("disk_values") or answer.get("local_disk_values") or []
+    if not answer.get("ok") or not replicas:
+        return None
+    return KeyInfo(
+        name=name,
+        size=int(replicas[0].get("size_", 0)),
+        fields=parse_key(name),
+        replicas=[{"endpoint": r.get("transport_endpoint_"), "address": r.get("buffer_address_"),
+                   "size": r.get("size_")} for r in replicas],
+    )
+
+
+class AdminListing:
+    """Every key of the cluster (default tenant), filtered, sized lease-free."""
+
+    def __init__(self, admin: AdminClient, key_filter: KeyFilter = KeyFilter(),
+                 size_of: Callable[[str], int] | None = None):
+        self.admin = admin
+        self.key_filter = key_filter
+        self.size_of = size_of
+
+    def list(self) -> Listing:
+        body = self.admin.all_keys_body().decode("utf-8", errors="surrogateescape")
+        lines = body.split("\n")
+        if lines and lines[-1] == "":
+            lines.pop()
+        found: dict[str, KeyInfo] = {}
+        unknown: list[int] = []
+        wanted = [i for i, line in enumerate(lines) if line and self.key_filter(line)]
+        answers = self._query(lines[i] for i in wanted)
+        for i in wanted:
+            info = answers.get(lines[i])
+            if info is None:
+                unknown.append(i)
+            else:
+                found.setdefault(info.name, info)
+        vanished = self._rejoin(lines, unknown, found)
+        return Listing(keys=list(found.values()), vanished=vanished, listed_lines=len(lines))
+
+    def _query(self, names: Iterable[str]) -> dict[str, KeyInfo]:
+        plain, with_comma = [], []
+        for name in names:
+            (with_comma if "," in name else plain).append(name)
+        infos: dict[str, KeyInfo] = {}
+        for chunk in _chunks(plain):
+            for name, answer in self.admin.query(chunk).items():
+                if (info := _key_info(name, answer)) is not None:
+                    infos[name] = info
+        for name in with_comma:
+            size = self.size_of(name) if self.size_of else -1
+            if size >= 0:
+                infos[name] = KeyInfo(name=name, size=size, fields=parse_key(name))
+        return infos
+
+    def _rejoin(self, lines: list[str], unknown: list[int], found: dict[str, KeyInfo]) -> list[str]:
+        """Rejoin unknown lines with neighbours (keys holding newlines); the rest vanished."""
+        if not unknown:
+            return []
+        candidates: dict[str, tuple[int, int]] = {}
+        for i in unknown[:REJOIN_LIMIT]:
+            for start in range(max(0, i - REJOIN_SPAN), i + 1):
+                for stop in range(i + 1, min(len(lines), start + REJOIN_SPAN + 1) + 1):
+                    if stop - start >= 2:
+                        candidates.setdefault("\n".join(lines[start:stop]), (start, stop))
+        answers = self._query(name for name in candidates if self.key_filter(name))
+        covered: set[int] = set()
+        for name, info in answers.items():
+            found.setdefault(name, info)
+            start, stop = candidates[name]
+            covered.update(range(start, stop))
+        return [lines[i] for i in unknown if i not in covered]
