@@ -7,6 +7,7 @@ context manager); the embedded metadata server and admin port are asked to bind 
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -105,6 +106,7 @@ class LocalCluster:
         # Transfer engines (the daemons' and this process's clients) otherwise listen on the
         # first non-loopback interface; an embedded cluster stays on 127.0.0.1.
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        atexit.register(self.stop)  # a safety net: daemons never outlive the process that started them
         if self.log_dir is None:
             self.log_dir = Path(tempfile.mkdtemp(prefix="mooncake-cluster-"))
         args = [

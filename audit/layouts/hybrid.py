@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .model import LayoutError, Layout, Segment
+from .model import LayoutError, Layout, Segment, layer_segment_name
 from .pages import AttentionShape, attention_regions, state_regions, unused_regions
 from .states import StateTensor, page_bytes
 
@@ -69,10 +69,6 @@ def kv_cache_groups(layer_kinds: Sequence[str | None]) -> list[tuple[str, list[i
     return groups
 
 
-def layer_name(layer: int) -> str:
-    return f"layers.{layer}"
-
-
 def state_model_layouts(*, model: str, kind: str, tp_size: int,
                         layer_kinds: Sequence[str | None], states: tuple[StateTensor, ...],
                         attention: AttentionShape | None, block_size: int | None,
@@ -104,7 +100,7 @@ def state_model_layouts(*, model: str, kind: str, tp_size: int,
                 regions = attention_regions(attention, offset, tokens, kernel)
             else:
                 regions = state_regions(states, offset, page)
-            segments.append(Segment(index, layer_name(layers[index]), layers[index], offset,
+            segments.append(Segment(index, layer_segment_name(layers[index]), layers[index], offset,
                                     page, regions))
         layouts.append(Layout(model, group, ATTENTION if group_kind == ATTENTION else kind,
                               tp_size, tuple(segments)))

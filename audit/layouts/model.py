@@ -51,6 +51,11 @@ def canonical_dtype(name: str) -> str:
     return key
 
 
+def layer_segment_name(layer: int) -> str:
+    """How a segment holding one model layer is named (``layers.3``), in layouts and files."""
+    return f"layers.{layer}"
+
+
 @dataclass(frozen=True, slots=True)
 class Region:
     """A typed run of bytes inside a segment (offset is within the VALUE)."""

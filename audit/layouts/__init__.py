@@ -1,0 +1,26 @@
+"""Byte layouts of the values vLLM's MooncakeStoreConnector publishes: which bytes of a key
+are conv state, ssm state, attention K/V or padding. See docs/layouts.md."""
+
+from .describe import describe, summarize
+from .hf_config import SUPPORTED_MODEL_TYPES, layouts_from_hf_config, load_hf_config
+from .layout_file import dump_layout_file, load_layout_file, parse_layout_document
+from .model import DTYPE_SIZES, LayoutError, Layout, Region, Segment, canonical_dtype
+from .select import select_layout
+
+__all__ = [
+    "DTYPE_SIZES",
+    "SUPPORTED_MODEL_TYPES",
+    "Layout",
+    "LayoutError",
+    "Region",
+    "Segment",
+    "canonical_dtype",
+    "describe",
+    "dump_layout_file",
+    "layouts_from_hf_config",
+    "load_hf_config",
+    "load_layout_file",
+    "parse_layout_document",
+    "select_layout",
+    "summarize",
+]

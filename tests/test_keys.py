@@ -1,0 +1,34 @@
+from audit.keys import parse_key, vllm_key
+
+
+def test_vllm_key_with_group_and_prefix_round_trips():
+    key = vllm_key("Qwen3.5-9B", "a1b2", tp_rank=1, group=2, cache_prefix="tenant@x")
+    assert key == "tenant@x@Qwen3.5-9B@tp_rank:1@pcp0@dcp0@pp_rank:0@group:2@a1b2"
+    assert parse_key(key) == {"scheme": "vllm", "cache_prefix": "tenant@x", "model": "Qwen3.5-9B",
+                              "tp_rank": 1, "pcp": 0, "dcp": 0, "pp_rank": 0, "group": 2, "chunk_hash": "a1b2"}
+
+
+def test_vllm_key_from_releases_without_group():
+    fields = parse_key("mamba-130m-hf@tp_rank:0@pcp0@dcp0@pp_rank:3@ff00")
+    assert fields["scheme"] == "vllm" and "group" not in fields and fields["pp_rank"] == 3
+
+
+def test_lmcache_keys_new_and_old():
+    assert parse_key("Llama-3@8@3@1a2b@bfloat16@lora%x") == {
+        "scheme": "lmcache", "model": "Llama-3", "world_size": 8, "worker_id": 3, "chunk_hash": "1a2b",
+        "dtype": "bfloat16", "tags": {"lora": "x"}}
+    old = parse_key("vllm@Llama-3@8@3@-1a2b@half")
+    assert old["scheme"] == "lmcache" and old["fmt"] == "vllm" and old["chunk_hash"] == "-1a2b"
+
+
+def test_sglang_hicache_keys():
+    assert parse_key("deadbeefdeadbeef00_1_k") == {
+        "scheme": "sglang", "page_hash": "deadbeefdeadbeef00", "tp_rank": 1, "part": "k"}
+    mamba = parse_key("tag_model_deadbeefdeadbeef00_1_2_conv_0")
+    assert mamba["prefix"] == "tag_model" and mamba["pp_rank"] == 2 and mamba["part"] == "conv_0"
+    assert parse_key("deadbeefdeadbeef00_0_temporal")["part"] == "temporal"
+
+
+def test_anything_else_is_opaque():
+    for key in ["hello", "a@b", "x\n@tp_rank:0", "", "[red]x[/]"]:
+        assert parse_key(key) == {"scheme": "opaque"}
