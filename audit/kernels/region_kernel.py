@@ -107,8 +107,9 @@ def region_check_kernel(
         words = tl.load(words_ptr + word_index, mask=word_index < n_words, other=0)
         any_bits |= words
         if ELEMENT_BITS != 0:  # padding words are 0, which is never special
-            special_not_set = (((words & SPECIAL_MASK) ^ SPECIAL_MASK) + LOW_MASK) & TOP_BITS
-            special = special_not_set ^ TOP_BITS
+            # Top bit set where the special bits are all ones. "^ TOP_BITS" rather than "~" because
+            # the interpreter cannot invert uint64.
+            special = ((((words & SPECIAL_MASK) ^ SPECIAL_MASK) + LOW_MASK) & TOP_BITS) ^ TOP_BITS
             if MANTISSA_MASK != 0:
                 nan = special & (((words & MANTISSA_MASK) + LOW_MASK) & TOP_BITS)
                 nan_count += _count_flagged(nan, ELEMENT_BITS, ONES)

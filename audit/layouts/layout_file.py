@@ -149,15 +149,12 @@ def _layout(entry, where: str) -> Layout:
     group = entry.get("group")
     if group is not None:
         group = _int(group, f"{where}.group", 0)
+    model = _str(entry.get("model"), f"{where}.model")
+    kind = _str(entry.get("kind"), f"{where}.kind")
+    tp_size = _int(entry.get("tp_size", 1), f"{where}.tp_size", 1)
     segments = _segments(entry.get("segments"), f"{where}.segments")
     with _at(where):
-        return Layout(
-            model=_str(entry.get("model"), f"{where}.model"),
-            group=group,
-            kind=_str(entry.get("kind"), f"{where}.kind"),
-            tp_size=_int(entry.get("tp_size", 1), f"{where}.tp_size", 1),
-            segments=segments,
-        )
+        return Layout(model=model, group=group, kind=kind, tp_size=tp_size, segments=segments)
 
 
 def parse_layout_document(document) -> list[Layout]:
