@@ -14,7 +14,7 @@ from audit.connection import Settings, open_store
 from audit.errors import AuditError
 from audit.keys import vllm_key
 
-MAMBA_130M_KEY_BYTES = 1_376_256  # 24 layers x (conv 3x1536 + ssm 1536x16) x bf16, TP 1
+MAMBA_130M_KEY_BYTES = 1_400_832  # 24 layers x (conv 3x1536 + ssm 1536x16) x bf16, TP 1
 
 
 class Publisher:

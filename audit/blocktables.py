@@ -1,0 +1,152 @@
+"""Producer block tables: which physical block each published key was read from.
+
+JSONL, one record per line, in one of two shapes (docs/block-tables.md):
+
+- per key:     {"key": "...", "block_id": N}  or  {"key": "...", "block_ids": [N, ...]} (one per
+               segment, as the recorder plugin writes them); other fields are kept as context.
+- per request: {"req_id", "model", "tp_rank", "pp_rank", "pcp", "dcp", "cache_prefix", "group",
+               "block_size", "block_ids": [...], "chunk_hashes": [...]}: block_ids[i] backs the
+               chunk whose hash is chunk_hashes[i]; expanded to vLLM keys.
+
+A key is NULL-backed when any of its blocks is vLLM's NULL_BLOCK_ID (0).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from audit.errors import AuditError
+from audit.keys import vllm_key
+
+NULL_BLOCK_ID = 0
+
+
+@dataclass
+class BlockTableEntry:
+    key: str
+    block_ids: tuple[int, ...]
+    sources: list[str] = field(default_factory=list)  # "file:line" of every record naming the key
+    req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def null_backed(self) -> bool:
+        return NULL_BLOCK_ID in self.block_ids
+
+
+@dataclass
+class BlockTables:
+    entries: dict[str, BlockTableEntry] = field(default_factory=dict)
+    records: int = 0
+    skipped_lines: int = 0
+    files: list[str] = field(default_factory=list)
+
+    def get(self, key: str) -> BlockTableEntry | None:
+        return self.entries.get(key)
+
+    def add(self, key: str, block_ids: tuple[int, ...], source: str, req_id: str | None) -> None:
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = BlockTableEntry(key, block_ids)
+        elif NULL_BLOCK_ID in block_ids and not entry.null_backed:
+            entry.block_ids = block_ids  # any record mapping the key to the null block is evidence
+        entry.sources.append(source)
+        if req_id is not None and req_id not in entry.req_ids:
+            entry.req_ids.append(req_id)
+
+    def keys_absent_from(self, present: set[str]) -> int:
+        return sum(1 for key in self.entries if key not in present)
+
+
+class _Malformed(ValueError):
+    pass
+
+
+def _int(record: dict, name: str, default: int | None = None) -> int:
+    value = record.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _Malformed(f"'{name}' must be a non-negative integer")
+    return value
+
+
+def _block_ids(record: dict) -> tuple[int, ...]:
+    if "block_ids" in record:
+        ids = record["block_ids"]
+        if not isinstance(ids, list) or not ids:
+            raise _Malformed("'block_ids' must be a non-empty list of integers")
+        return tuple(_int({"block_ids[]": i}, "block_ids[]") for i in ids)
+    return (_int(record, "block_id"),)
+
+
+def _expand(record: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(key, block ids) for every entry of one record, either shape."""
+    if "key" in record:
+        if not isinstance(record["key"], str):
+            raise _Malformed("'key' must be a string")
+        yield record["key"], _block_ids(record)
+        return
+    if "chunk_hashes" not in record:
+        raise _Malformed("a record needs 'key' (per key) or 'chunk_hashes' (per request)")
+    hashes, ids = record["chunk_hashes"], record.get("block_ids")
+    if not isinstance(hashes, list) or not isinstance(ids, list) or len(hashes) != len(ids):
+        raise _Malformed("'chunk_hashes' and 'block_ids' must be lists of equal length")
+    model = record.get("model")
+    if not isinstance(model, str) or not model:
+        raise _Malformed("'model' must be a non-empty string")
+    group = record.get("group", 0)
+    parts = dict(tp_rank=_int(record, "tp_rank", 0), pcp=_int(record, "pcp", 0), dcp=_int(record, "dcp", 0),
+                 pp_rank=_int(record, "pp_rank", 0), group=None if group is None else _int(record, "group"),
+                 cache_prefix=str(record.get("cache_prefix") or ""))
+    for chunk_hash, block_id in zip(hashes, ids):
+        if not isinstance(chunk_hash, str):
+            raise _Malformed("'chunk_hashes' must hold strings")
+        yield vllm_key(Path(model).name, chunk_hash, **parts), (_int({"block_ids[]": block_id}, "block_ids[]"),)
+
+
+def _files(paths: Iterable[Path]) -> Iterator[Path]:
+    for path in paths:
+        path = Path(path)
+        if path.is_dir():
+            yield from sorted(p for p in path.rglob("*.jsonl*") if p.is_file())
+        else:
+            yield path
+
+
+def read_block_tables(paths: Iterable[Path], *, lenient: bool = False) -> BlockTables:
+    """All records of the given files (directories: every *.jsonl in them).
+
+    A malformed line is an AuditError naming file and line, or with `lenient` skipped and counted.
+    """
+    tables = BlockTables()
+    for path in _files(paths):
+        tables.files.append(str(path))
+        try:
+            handle = open(path, encoding="utf-8", errors="strict")
+        except OSError as error:
+            raise AuditError(f"cannot read block table {path}: {error.strerror}") from None
+        with handle:
+            try:
+                for number, line in enumerate(handle, 1):
+                    if not line.strip():
+                        continue
+                    source = f"{path}:{number}"
+                    try:
+                        record = json.loads(line)
+                        if not isinstance(record, dict):
+                            raise _Malformed("a line must hold a JSON object")
+                        entries = list(_expand(record))
+                    except (json.JSONDecodeError, _Malformed) as error:
+                        if lenient:
+                            tables.skipped_lines += 1
+                            continue
+                        reason = error.msg if isinstance(error, json.JSONDecodeError) else str(error)
+                        raise AuditError(f"block table {source}: {reason}") from None
+                    tables.records += 1
+                    req_id = record.get("req_id")
+                    for key, block_ids in entries:
+                        tables.add(key, block_ids, source, None if req_id is None else str(req_id))
+            except UnicodeDecodeError:
+                raise AuditError(f"block table {path} is not UTF-8 text") from None
+    return tables
