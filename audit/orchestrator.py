@@ -61,6 +61,25 @@ class _StopOnSigint:
             signal.signal(signal.SIGINT, self._previous)
 
 
+class _MasterWatch:
+    """Stops the scan when a whole batch failed and the master no longer answers: without it,
+    every remaining batch would wait out its RPC timeouts against a dead master."""
+
+    def __init__(self, admin: AdminClient, stop: threading.Event):
+        self.admin = admin
+        self.stop = stop
+        self.lost: str | None = None
+
+    def __call__(self, records: list[KeyRecord]) -> None:
+        if not records or any(record.error is None or record.error["code"] == -704 for record in records):
+            return
+        try:
+            self.admin.health()
+        except AuditError as error:
+            self.lost = f"master lost mid-scan ({error})"
+            self.stop.set()
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -89,11 +108,14 @@ def run_scan(settings: Settings, options: ScanOptions, sink, progress: ScanProgr
         progress.start(len(keys), sum(key.size or 0 for key in keys))
         try:
             with _StopOnSigint() as stop:
-                for record in scan_keys(keys, reader, HostChecker(), stop=stop):
+                watch = _MasterWatch(admin, stop)
+                for record in scan_keys(keys, reader, HostChecker(), stop=stop, on_batch=watch):
                     records.append(record)
                     sink.record(record)
                     progress.advance(1, record.size or 0)
                 interrupted = stop.is_set()
+                if watch.lost:
+                    context["aborted"] = watch.lost
         finally:
             progress.stop()
             reader.close()
