@@ -7,7 +7,10 @@ JSON config that vLLM's connector uses (`MOONCAKE_CONFIG_PATH`), then defaults.
 from __future__ import annotations
 
 import json
+import os
 import socket
+import sys
+import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -127,8 +130,34 @@ def open_store(settings: Settings, local_buffer_mb: int = 16):
         raise AuditError(f"the Mooncake client is not importable ({error}); see docs/quickstart.md") from None
     store = MooncakeDistributedStore()
     hostname = settings.local_hostname or local_address_towards(settings.master)
-    rc = store.setup(hostname, settings.metadata, 0, local_buffer_mb << 20, settings.protocol,
-                     settings.device_name, settings.master)
+    with native_stderr_captured() as captured:
+        rc = store.setup(hostname, settings.metadata, 0, local_buffer_mb << 20, settings.protocol,
+                         settings.device_name, settings.master)
     if rc != 0:
-        raise AuditError(f"cannot connect to master {settings.master} (setup returned {rc})")
+        last = captured.last_line()
+        raise AuditError(f"cannot connect to master {settings.master} (setup returned {rc})"
+                         + (f": {last}" if last else ""))
     return store
+
+
+class native_stderr_captured:
+    """Holds what the C++ client writes to fd 2 during setup (its normal handshake logs an
+    ERROR line for every new client); the last line explains a failed setup."""
+
+    def __enter__(self):
+        sys.stderr.flush()
+        self._file = tempfile.TemporaryFile()
+        self._saved = os.dup(2)
+        os.dup2(self._file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc_info):
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+
+    def last_line(self) -> str:
+        self._file.seek(0)
+        lines = [line for line in self._file.read().decode(errors="replace").splitlines()
+                 if line.strip() and "Logging before InitGoogleLogging" not in line]
+        self._file.close()
+        return lines[-1].split("] ", 1)[-1][:200] if lines else ""

@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from audit.checks.host import HostChecker
 from audit.connection import AdminClient, Settings, open_store
 from audit.errors import AuditError
-from audit.fetch import LeaseReader
+from audit.fetch import ALIGNMENT, LeaseReader
 from audit.merge import merge_records
 from audit.progress import ScanProgress
 from audit.records import KeyRecord, Report
@@ -80,6 +80,12 @@ class _MasterWatch:
             self.stop.set()
 
 
+def _buffer_bytes(keys: list, limit: int) -> int:
+    """No more than the scan needs: a small scan should not allocate and register 256 MiB."""
+    total = sum(ALIGNMENT + (key.size or 0) for key in keys)
+    return min(limit, 2 * max(total, ALIGNMENT))
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -104,7 +110,7 @@ def run_scan(settings: Settings, options: ScanOptions, sink, progress: ScanProgr
         listing = AdminListing(admin, key_filter, size_of=store.get_size).list()
         records.extend(_vanished_records(listing.vanished))
         keys = listing.keys
-        reader = LeaseReader(store, options.buffer_mb << 20)
+        reader = LeaseReader(store, _buffer_bytes(keys, options.buffer_mb << 20))
         progress.start(len(keys), sum(key.size or 0 for key in keys))
         try:
             with _StopOnSigint() as stop:
@@ -117,6 +123,7 @@ def run_scan(settings: Settings, options: ScanOptions, sink, progress: ScanProgr
                 if watch.lost:
                     context["aborted"] = watch.lost
         finally:
+            duration_s = time.perf_counter() - started
             progress.stop()
             reader.close()
         keys_listed = len(keys) + len(listing.vanished)
@@ -124,11 +131,12 @@ def run_scan(settings: Settings, options: ScanOptions, sink, progress: ScanProgr
         if not records:
             raise
         interrupted, keys_listed = True, len(records)
+        duration_s = time.perf_counter() - started
     finally:
         store.close()
     context["finished_at"] = _now()
     report = merge_records(records, context=context, keys_listed=keys_listed, interrupted=interrupted,
-                           duration_s=time.perf_counter() - started)
+                           duration_s=duration_s)
     sink.finish(report)
     return report
 

@@ -26,5 +26,8 @@ def make_sink(fmt: str, output: Path | None, *, include_all: bool = False) -> Si
     from audit.report.json_report import JsonSink
     from audit.report.jsonl import JsonlSink
 
+    from audit.report.output import check_writable
+
+    check_writable(output)
     sinks = {"human": HumanSink, "json": JsonSink, "jsonl": JsonlSink}
     return sinks[fmt](output, include_all=include_all)

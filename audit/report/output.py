@@ -1,4 +1,7 @@
-"""Where a report goes: stdout, or a file replaced atomically (readers never see half a report)."""
+"""Where a report goes: stdout, or a file replaced atomically (readers never see half a report).
+
+A path that exists and is not a regular file (`/dev/null`, a FIFO) is written in place.
+"""
 
 from __future__ import annotations
 
@@ -8,31 +11,47 @@ import tempfile
 from pathlib import Path
 from typing import TextIO
 
+from audit.errors import AuditError
+
+
+def check_writable(path: Path | None) -> None:
+    """Fail before the scan, not after it, when the report could not be written."""
+    if path is None:
+        return
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    if not directory.is_dir():
+        raise AuditError(f"cannot write {path}: no directory {directory}")
+    if not os.access(directory, os.W_OK) and not (path.exists() and os.access(path, os.W_OK)):
+        raise AuditError(f"cannot write {path}: {directory} is not writable")
+
 
 class ReportOutput:
     """A text stream: stdout, or a temporary file beside `path` renamed over it on `close()`."""
 
-    def __init__(self, path: Path | None):
-        self.path = path
-        if path is None:
+    def __init__(self, path: Path | str | None):
+        self.path = None if path is None else Path(path)
+        self._temp: str | None = None
+        if self.path is None:
             self.stream: TextIO = sys.stdout
-            self._temp = None
+        elif self.path.exists() and not self.path.is_file():
+            self.stream = open(self.path, "w", encoding="utf-8")
         else:
-            directory = path.parent if str(path.parent) else Path(".")
-            fd, self._temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=directory)
+            check_writable(self.path)
+            fd, self._temp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".partial",
+                                              dir=self.path.parent)
             self.stream = os.fdopen(fd, "w", encoding="utf-8")
 
     def write(self, text: str) -> None:
         self.stream.write(text)
 
-    def flush(self) -> None:
-        self.stream.flush()
-
     def close(self) -> None:
-        if self._temp is None:
-            self.stream.flush()
-            return
         self.stream.flush()
+        if self.path is None:
+            return
+        if self._temp is None:
+            self.stream.close()
+            return
         os.fsync(self.stream.fileno())
         self.stream.close()
         os.replace(self._temp, self.path)
