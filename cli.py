@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -11,7 +12,6 @@ import typer
 
 from audit.connection import Settings
 from audit.errors import AuditError
-from audit.orchestrator import ScanOptions, run_scan
 from audit.progress import ScanProgress
 from audit.report import FORMATS, make_sink
 from audit.report.inert import printable
@@ -19,10 +19,12 @@ from audit.report.inert import printable
 app = typer.Typer(help="Byte-level audit of the values published into Mooncake Store.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
+# Connection
 Master = Annotated[Optional[str], typer.Option("--master", envvar="MOONCAKE_AUDIT_MASTER",
                                               help="Master RPC address HOST:PORT.", show_default="127.0.0.1:50051")]
 Metadata = Annotated[Optional[str], typer.Option("--metadata", envvar="MOONCAKE_AUDIT_METADATA",
-                                                help="Metadata server URL.", show_default="http://<master host>:8080/metadata")]
+                                                help="Metadata server URL.",
+                                                show_default="http://<master host>:8080/metadata")]
 Admin = Annotated[Optional[str], typer.Option("--admin", envvar="MOONCAKE_AUDIT_ADMIN",
                                              help="Master admin HTTP URL.", show_default="http://<master host>:9003")]
 Protocol = Annotated[Optional[str], typer.Option("--protocol", envvar="MOONCAKE_AUDIT_PROTOCOL",
@@ -34,16 +36,42 @@ LocalHostname = Annotated[Optional[str], typer.Option("--local-hostname", envvar
                                                      show_default="the address that routes to the master")]
 Config = Annotated[Optional[Path], typer.Option("--config", envvar="MOONCAKE_CONFIG_PATH",
                                                help="Mooncake JSON config, as vLLM's connector reads it.")]
+# Which keys, how
 Prefix = Annotated[str, typer.Option("--prefix", envvar="MOONCAKE_AUDIT_PREFIX", help="Only keys starting with this.")]
 Match = Annotated[Optional[str], typer.Option("--match", envvar="MOONCAKE_AUDIT_MATCH",
                                              help="Only keys matching this regular expression (search).")]
 BufferMb = Annotated[int, typer.Option("--buffer-mb", envvar="MOONCAKE_AUDIT_BUFFER_MB", min=1,
                                       help="Registered read buffer, MiB (two halves, double-buffered).")]
+# Layouts and block tables
+ModelConfig = Annotated[Optional[list[Path]], typer.Option(
+    "--model-config", envvar="MOONCAKE_AUDIT_MODEL_CONFIG",
+    help="HuggingFace config.json (or model directory) whose layout the values follow. Repeatable.")]
+ModelName = Annotated[Optional[str], typer.Option(
+    "--model", help="Model name as it appears in keys.", show_default="the config's directory name")]
+TpSize = Annotated[int, typer.Option("--tp-size", envvar="MOONCAKE_AUDIT_TP_SIZE", min=1,
+                                    help="Tensor-parallel size of the producer.")]
+StateDtype = Annotated[str, typer.Option("--state-dtype", envvar="MOONCAKE_AUDIT_STATE_DTYPE",
+                                        help="Conv state dtype (vLLM --mamba-cache-dtype).")]
+SsmDtype = Annotated[Optional[str], typer.Option("--ssm-dtype", envvar="MOONCAKE_AUDIT_SSM_DTYPE",
+                                                help="SSM state dtype (vLLM --mamba-ssm-cache-dtype).",
+                                                show_default="the state dtype")]
+BlockSize = Annotated[Optional[int], typer.Option("--block-size", envvar="MOONCAKE_AUDIT_BLOCK_SIZE", min=1,
+                                                 help="vLLM --block-size (hybrid models).")]
+ConvLayout = Annotated[str, typer.Option("--conv-layout", help="Conv state layout: SD or DS.")]
+LayoutFile = Annotated[Optional[list[Path]], typer.Option("--layout", envvar="MOONCAKE_AUDIT_LAYOUT",
+                                                          help="Explicit JSON layout file. Repeatable.")]
+LayoutForAll = Annotated[bool, typer.Option("--layout-for-all",
+                                            help="Apply the layouts to every vLLM key, whatever its model name.")]
+BlockTablesOpt = Annotated[Optional[list[Path]], typer.Option(
+    "--block-tables", envvar="MOONCAKE_AUDIT_BLOCK_TABLES",
+    help="Producer block-table JSONL file or directory. Repeatable.")]
+Lenient = Annotated[bool, typer.Option("--lenient", help="Skip (and count) malformed block-table lines.")]
+# Output
 Format = Annotated[str, typer.Option("--format", envvar="MOONCAKE_AUDIT_FORMAT",
                                     help="Report format: human, json or jsonl.")]
 Output = Annotated[Optional[Path], typer.Option("--output", "-o", envvar="MOONCAKE_AUDIT_OUTPUT",
                                                help="Write the report here (atomically) instead of stdout.")]
-All = Annotated[bool, typer.Option("--all", help="Every key's record, not only findings.")]
+All = Annotated[bool, typer.Option("--all", help="Every key's record (with its regions), not only findings.")]
 ShowProgress = Annotated[Optional[bool], typer.Option("--progress/--no-progress", envvar="MOONCAKE_AUDIT_PROGRESS",
                                                      help="Progress on stderr.", show_default="on a terminal")]
 
@@ -54,9 +82,28 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _check_format(fmt: str) -> None:
-    if fmt not in FORMATS:
-        raise fail(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+def _check_choice(name: str, value: str | None, choices: tuple[str, ...]) -> None:
+    if value is not None and value not in choices:
+        raise fail(f"{name} must be one of {', '.join(choices)}, not {value!r}")
+
+
+def _settings(master, metadata, admin, protocol, device_name, local_hostname, config) -> Settings:
+    _check_choice("--protocol", protocol, ("tcp", "rdma"))
+    return Settings.resolve(master=master, metadata=metadata, admin=admin, protocol=protocol,
+                            device_name=device_name, local_hostname=local_hostname, config=config)
+
+
+def _plan(model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv_layout, layout, layout_for_all,
+          block_tables, lenient, include_all):
+    from audit.blocktables import read_block_tables
+    from audit.plan import CheckPlan, load_layouts
+
+    _check_choice("--conv-layout", conv_layout, ("SD", "DS"))
+    layouts = load_layouts(model_configs=model_config or (), layout_files=layout or (), model_name=model,
+                           tp_size=tp_size, state_dtype=state_dtype, ssm_dtype=ssm_dtype, block_size=block_size,
+                           conv_layout=conv_layout)
+    tables = read_block_tables(block_tables, lenient=lenient) if block_tables else None
+    return CheckPlan(layouts=layouts, layout_for_all=layout_for_all, tables=tables, keep_regions=include_all)
 
 
 @app.command()
@@ -64,23 +111,114 @@ def scan(
     master: Master = None, metadata: Metadata = None, admin: Admin = None, protocol: Protocol = None,
     device_name: DeviceName = None, local_hostname: LocalHostname = None, config: Config = None,
     prefix: Prefix = "", match: Match = None, buffer_mb: BufferMb = 256,
+    model_config: ModelConfig = None, model: ModelName = None, tp_size: TpSize = 1,
+    state_dtype: StateDtype = "bfloat16", ssm_dtype: SsmDtype = None, block_size: BlockSize = None,
+    conv_layout: ConvLayout = "SD", layout: LayoutFile = None, layout_for_all: LayoutForAll = False,
+    block_tables: BlockTablesOpt = None, lenient: Lenient = False,
     fmt: Format = "human", output: Output = None, include_all: All = False, progress: ShowProgress = None,
 ) -> None:
-    """List every key, read every value, report digests, zero values and shared content.
+    """List every key, read every value, report digests, zero values, shared content and, with a
+    layout or block tables, the vLLM #53084 verdicts.
 
     Exit codes: 0 clean, 1 findings, 2 could not run, 3 incomplete.
     """
-    _check_format(fmt)
-    if protocol is not None and protocol not in ("tcp", "rdma"):
-        raise fail(f"--protocol must be tcp or rdma, not {protocol!r}")
+    from audit.orchestrator import ScanOptions, run_scan
+
+    _check_choice("--format", fmt, FORMATS)
     try:
-        settings = Settings.resolve(master=master, metadata=metadata, admin=admin, protocol=protocol,
-                                    device_name=device_name, local_hostname=local_hostname, config=config)
-        report = run_scan(settings, ScanOptions(prefix=prefix, match=match, buffer_mb=buffer_mb),
-                          make_sink(fmt, output, include_all=include_all), ScanProgress(progress))
+        settings = _settings(master, metadata, admin, protocol, device_name, local_hostname, config)
+        plan = _plan(model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv_layout, layout,
+                     layout_for_all, block_tables, lenient, include_all)
+        sink = make_sink(fmt, output, include_all=include_all)
+        report = run_scan(settings, ScanOptions(prefix=prefix, match=match, buffer_mb=buffer_mb, plan=plan),
+                          sink, ScanProgress(progress))
     except AuditError as error:
         raise fail(str(error)) from None
     raise typer.Exit(report.exit_code)
+
+
+@app.command("layout")
+def layout_command(
+    model_config: ModelConfig = None, model: ModelName = None, tp_size: TpSize = 1,
+    state_dtype: StateDtype = "bfloat16", ssm_dtype: SsmDtype = None, block_size: BlockSize = None,
+    conv_layout: ConvLayout = "SD", layout: LayoutFile = None,
+    fmt: Annotated[str, typer.Option("--format", help="human, or json (a layout file you can edit)")] = "human",
+) -> None:
+    """Print the byte layout of one key's value: segments, regions, offsets, bytes per key."""
+    from audit.layouts import dump_layout_file
+    from audit.plan import load_layouts
+    from audit.report.views import print_layouts
+
+    _check_choice("--format", fmt, ("human", "json"))
+    _check_choice("--conv-layout", conv_layout, ("SD", "DS"))
+    if not model_config and not layout:
+        raise fail("give --model-config PATH or --layout PATH")
+    try:
+        layouts = load_layouts(model_configs=model_config or (), layout_files=layout or (), model_name=model,
+                               tp_size=tp_size, state_dtype=state_dtype, ssm_dtype=ssm_dtype,
+                               block_size=block_size, conv_layout=conv_layout)
+    except AuditError as error:
+        raise fail(str(error)) from None
+    if fmt == "json":
+        typer.echo(json.dumps(dump_layout_file(layouts), indent=1))
+    else:
+        print_layouts(layouts)
+
+
+@app.command()
+def crossref(
+    report: Annotated[Path, typer.Argument(help="A JSON (best with --all) or JSONL report of a scan.")],
+    block_tables: BlockTablesOpt = None, lenient: Lenient = False,
+    fmt: Format = "human", output: Output = None, include_all: All = False,
+) -> None:
+    """Add NULL_BACKED verdicts to a report written earlier, from producer block tables."""
+    from audit.blocktables import read_block_tables
+    from audit.crossref import crossref_report
+
+    _check_choice("--format", fmt, FORMATS)
+    if not block_tables:
+        raise fail("give --block-tables PATH (a JSONL file or a directory of them)")
+    try:
+        sink = make_sink(fmt, output, include_all=include_all)
+        result = crossref_report(report, read_block_tables(block_tables, lenient=lenient))
+    except AuditError as error:
+        raise fail(str(error)) from None
+    for record in result.records:
+        sink.record(record)
+    sink.finish(result)
+    raise typer.Exit(result.exit_code)
+
+
+@app.command()
+def explain(
+    key: Annotated[str, typer.Argument(help="The exact key name.")],
+    master: Master = None, metadata: Metadata = None, admin: Admin = None, protocol: Protocol = None,
+    device_name: DeviceName = None, local_hostname: LocalHostname = None, config: Config = None,
+    model_config: ModelConfig = None, model: ModelName = None, tp_size: TpSize = 1,
+    state_dtype: StateDtype = "bfloat16", ssm_dtype: SsmDtype = None, block_size: BlockSize = None,
+    conv_layout: ConvLayout = "SD", layout: LayoutFile = None, layout_for_all: LayoutForAll = False,
+    block_tables: BlockTablesOpt = None, lenient: Lenient = False,
+    fmt: Annotated[str, typer.Option("--format", help="human or json")] = "human",
+) -> None:
+    """Everything about one key: per region zero, NaN/Inf, digest, min/max/mean, first bytes, and
+    the block-table records that name it."""
+    from audit.explain import explain_key
+    from audit.report.views import print_explain
+
+    _check_choice("--format", fmt, ("human", "json"))
+    try:
+        settings = _settings(master, metadata, admin, protocol, device_name, local_hostname, config)
+        plan = _plan(model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv_layout, layout,
+                     layout_for_all, block_tables, lenient, True)
+        document = explain_key(settings, key, plan)
+    except AuditError as error:
+        raise fail(str(error)) from None
+    if fmt == "json":
+        typer.echo(json.dumps(document, indent=1))
+    else:
+        print_explain(document)
+    findings = any(v not in ("VANISHED", "UNREACHABLE", "READ_ERROR") for v in document["verdicts"])
+    raise typer.Exit(1 if findings else 0)
 
 
 @app.command()
@@ -90,7 +228,7 @@ def demo(
     """Start an embedded local cluster, publish a small vLLM-style workload, scan it, stop the cluster."""
     from audit.demo import run_demo
 
-    _check_format(fmt)
+    _check_choice("--format", fmt, FORMATS)
     try:
         report = run_demo(make_sink(fmt, output, include_all=include_all), ScanProgress(progress),
                           log=lambda line: typer.echo(line, err=True))

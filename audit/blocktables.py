@@ -56,8 +56,16 @@ class BlockTables:
         if req_id is not None and req_id not in entry.req_ids:
             entry.req_ids.append(req_id)
 
-    def keys_absent_from(self, present: set[str]) -> int:
-        return sum(1 for key in self.entries if key not in present)
+    def summary(self, keys_in_store: set[str] | None) -> dict:
+        """For the report: what was read, and how many recorded keys the store no longer holds
+        (counted, never an error: keys are evicted; None when the store's keys are unknown)."""
+        return {
+            "files": self.files, "records": self.records, "keys": len(self.entries),
+            "null_backed_keys": sum(1 for entry in self.entries.values() if entry.null_backed),
+            "keys_not_in_store": None if keys_in_store is None else
+            sum(1 for key in self.entries if key not in keys_in_store),
+            "skipped_lines": self.skipped_lines,
+        }
 
 
 class _Malformed(ValueError):

@@ -1,7 +1,19 @@
-"""Per-key verdicts from what the read returned and what the checks found."""
+"""Per-key verdicts from what the read returned, what the checks found, the value's layout and
+the producer's block tables. Cross-key verdicts (SHARED_CONTENT) are decided in `audit.merge`.
+
+The rules for a value with a recurrent-state layout (the vLLM #53084 detector):
+- ZERO_STATE: every conv and ssm region is all zero (padding does not count: it is zero by design);
+- PARTIAL_ZERO: for some layers, not all, every state region is all zero;
+- NONFINITE: a NaN or Inf in a state or KV region;
+- SIZE_MISMATCH: the value's size differs from the layout's; it is then judged as opaque bytes;
+- NULL_BACKED: a block table maps the key to NULL_BLOCK_ID, whatever its bytes.
+Legitimate states with many exact zeros, an all-zero row or tiny values have non-zero regions and
+are OK.
+"""
 
 from __future__ import annotations
 
+from audit.blocktables import BlockTableEntry
 from audit.checks.host import ValueCheck
 from audit.fetch import ERROR_NAMES
 from audit.records import KeyInfo, KeyRecord, Verdict
@@ -11,6 +23,7 @@ _READ_VERDICTS = {
     -800: Verdict.UNREACHABLE,
     -801: Verdict.CHECKSUM_MISMATCH,
 }
+MAX_EVIDENCE_REGIONS = 16
 
 
 def read_failure(key: KeyInfo, code: int, message: str | None = None) -> KeyRecord:
@@ -21,13 +34,77 @@ def read_failure(key: KeyInfo, code: int, message: str | None = None) -> KeyReco
     return KeyRecord(key=key.name, size=key.size, fields=key.fields, verdicts=[verdict], error=error)
 
 
-def judge_read(key: KeyInfo, code: int, check: ValueCheck | None) -> KeyRecord:
+def _region_rows(layout, check: ValueCheck) -> list[dict]:
+    return [
+        {"segment": segment.name, "layer": segment.layer, "region": region.name, "kind": region.kind,
+         "offset": region.offset, "length": region.length, "dtype": region.dtype,
+         "xxh3": f"{result.xxh3:016x}", "zero": result.zero, "nan": result.nan, "inf": result.inf}
+        for (segment, region), result in zip(layout.regions(), check.regions)
+    ]
+
+
+def _judge_layout(record: KeyRecord, layout, check: ValueCheck) -> None:
+    per_segment: dict[int, list[bool]] = {}
+    nonfinite = []
+    for (segment, region), result in zip(layout.regions(), check.regions):
+        if region.kind == "state":
+            per_segment.setdefault(segment.index, []).append(result.zero)
+        if region.kind != "padding" and (result.nan or result.inf):
+            nonfinite.append({"segment": segment.name, "region": region.name, "nan": result.nan, "inf": result.inf})
+    zero_segments = [index for index, flags in per_segment.items() if all(flags)]
+    layers = {segment.index: segment.layer for segment in layout.segments}
+    if per_segment and len(zero_segments) == len(per_segment):
+        record.verdicts.append(Verdict.ZERO_STATE)
+        record.evidence["zero_state"] = {"state_regions": sum(map(len, per_segment.values())),
+                                         "layers": len(per_segment), "value_all_zero": check.zero}
+    elif zero_segments:
+        record.verdicts.append(Verdict.PARTIAL_ZERO)
+        record.evidence["partial_zero"] = {"zero_layers": [layers[i] for i in zero_segments],
+                                           "layers": len(per_segment)}
+    elif not per_segment and check.zero and record.size:
+        record.verdicts.append(Verdict.ZERO_VALUE)  # an attention layout: no state regions
+    if nonfinite:
+        record.verdicts.append(Verdict.NONFINITE)
+        record.evidence["nonfinite"] = {"nan": sum(r["nan"] for r in nonfinite),
+                                        "inf": sum(r["inf"] for r in nonfinite),
+                                        "regions": nonfinite[:MAX_EVIDENCE_REGIONS]}
+
+
+def judge_read(key: KeyInfo, code: int, check: ValueCheck | None, *, layout=None,
+               table: BlockTableEntry | None = None, keep_regions: bool = False) -> KeyRecord:
+    """The record of one key. `layout` is the layout that applies to the key (even when the size
+    differs); `table` is its block-table entry, if any producer recorded one."""
     if code < 0:
-        return read_failure(key, code)
-    if code != key.size or check is None:
-        return read_failure(key, code, f"read {code} bytes, the listing said {key.size}")
-    record = KeyRecord(key=key.name, size=key.size, fields=key.fields, xxh3=check.xxh3, zero=check.zero)
-    if check.zero and code > 0:
-        record.verdicts.append(Verdict.ZERO_VALUE)
-        record.evidence["zero"] = {"digest_is_zero_digest": True, "bytes_confirmed_zero": True}
+        record = read_failure(key, code)
+    elif code != key.size or check is None:
+        record = read_failure(key, code, f"read {code} bytes, the listing said {key.size}")
+    else:
+        record = KeyRecord(key=key.name, size=key.size, fields=key.fields, xxh3=check.xxh3, zero=check.zero)
+        if layout is not None:
+            record.layout = f"{layout.model}/group:{layout.group}/{layout.kind}/tp{layout.tp_size}"
+        if check.regions is not None:
+            _judge_layout(record, layout, check)
+        else:
+            if layout is not None:
+                record.verdicts.append(Verdict.SIZE_MISMATCH)
+                record.evidence["size_mismatch"] = {"expected": layout.size, "actual": key.size}
+            if check.zero and code > 0:
+                record.verdicts.append(Verdict.ZERO_VALUE)
+                record.evidence["zero"] = {"digest_is_zero_digest": True, "bytes_confirmed_zero": True}
+        if check.regions is not None and (record.verdicts or keep_regions):
+            record.regions = _region_rows(layout, check)
+    apply_block_table(record, table)
     return record
+
+
+def apply_block_table(record: KeyRecord, table: BlockTableEntry | None) -> None:
+    """Evidence from the producer's block table; NULL_BACKED when it names NULL_BLOCK_ID."""
+    if table is None or Verdict.VANISHED in record.verdicts:
+        return
+    record.evidence["block_table"] = {"block_ids": list(table.block_ids[:64]), "sources": table.sources[:3],
+                                      "req_ids": table.req_ids[:3]}
+    if table.null_backed:
+        record.verdicts.insert(0, Verdict.NULL_BACKED)
+        state_zero = Verdict.ZERO_STATE in record.verdicts or Verdict.ZERO_VALUE in record.verdicts
+        record.evidence["null_backed"] = {"null_block_id": 0, "bytes_zero": record.zero,
+                                          "state_zero": state_zero if record.xxh3 is not None else None}

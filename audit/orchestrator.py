@@ -1,7 +1,7 @@
 """One command's flow: list keys, scan them, merge the records, hand the report to a sink.
 
 Ctrl-C (SIGINT) stops between batches and still writes the report (marked interrupted); a
-second Ctrl-C aborts at once.
+second Ctrl-C aborts at once. A master lost mid-scan stops the scan the same way.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from audit.checks.host import HostChecker
 from audit.connection import AdminClient, Settings, open_store
 from audit.errors import AuditError
 from audit.fetch import ALIGNMENT, LeaseReader
+from audit.layouts import summarize
 from audit.merge import merge_records
+from audit.plan import CheckPlan
 from audit.progress import ScanProgress
-from audit.records import KeyRecord, Report
+from audit.records import KeyInfo, KeyRecord, Report, Verdict
 from audit.scan import scan_keys
 from audit.sources import AdminListing, KeyFilter
 
@@ -29,6 +31,7 @@ class ScanOptions:
     prefix: str = ""
     match: str | None = None
     buffer_mb: int = 256
+    plan: CheckPlan = field(default_factory=CheckPlan)
 
     def key_filter(self) -> KeyFilter:
         try:
@@ -38,25 +41,25 @@ class ScanOptions:
         return KeyFilter(self.prefix, pattern)
 
 
-@dataclass
 class _StopOnSigint:
-    event: threading.Event = field(default_factory=threading.Event)
+    """First Ctrl-C: finish the current batch and write the report. Second: abort."""
 
-    def __enter__(self):
-        if threading.current_thread() is not threading.main_thread():
-            self._previous = None
-            return self.event
-        self._previous = signal.getsignal(signal.SIGINT)
+    def __init__(self):
+        self.event = threading.Event()
+        self._previous = None
 
-        def handler(signum, frame):
-            if self.event.is_set():
-                raise KeyboardInterrupt
-            self.event.set()
-
-        signal.signal(signal.SIGINT, handler)
+    def __enter__(self) -> threading.Event:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.getsignal(signal.SIGINT)
+            signal.signal(signal.SIGINT, self._handle)
         return self.event
 
-    def __exit__(self, *exc_info):
+    def _handle(self, signum, frame) -> None:
+        if self.event.is_set():
+            raise KeyboardInterrupt
+        self.event.set()
+
+    def __exit__(self, *exc_info) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
 
@@ -80,7 +83,7 @@ class _MasterWatch:
             self.stop.set()
 
 
-def _buffer_bytes(keys: list, limit: int) -> int:
+def _buffer_bytes(keys: list[KeyInfo], limit: int) -> int:
     """No more than the scan needs: a small scan should not allocate and register 256 MiB."""
     total = sum(ALIGNMENT + (key.size or 0) for key in keys)
     return min(limit, 2 * max(total, ALIGNMENT))
@@ -90,32 +93,51 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def _vanished_before_sizing(names: list[str]) -> list[KeyRecord]:
+    return [KeyRecord(key=name, size=None, fields={}, verdicts=[Verdict.VANISHED],
+                      error={"code": -704, "name": "OBJECT_NOT_FOUND", "message": "gone before sizing"})
+            for name in names]
+
+
+def _plan_context(plan: CheckPlan, listed: set[str]) -> dict:
+    context: dict = {}
+    if plan.layouts:
+        context["layouts"] = [summarize(layout) for layout in plan.layouts]
+    if plan.tables is not None:
+        context["block_tables"] = plan.tables.summary(listed)
+    return context
+
+
 def run_scan(settings: Settings, options: ScanOptions, sink, progress: ScanProgress | None = None) -> Report:
     progress = progress or ScanProgress(enabled=False)
     key_filter = options.key_filter()
     admin = AdminClient(settings.admin)
     admin.health()
     store = open_store(settings)
+    checker = HostChecker()
     context = {
         "started_at": _now(),
         "cluster": {"master": settings.master, "admin": settings.admin},
         "filters": {"prefix": options.prefix, "match": options.match},
         "read_mode": "lease",
-        "checker": "numpy",
+        "checker": checker.name,
     }
     records: list[KeyRecord] = []
     interrupted = False
+    keys_listed = 0
     started = time.perf_counter()
     try:
         listing = AdminListing(admin, key_filter, size_of=store.get_size).list()
-        records.extend(_vanished_records(listing.vanished))
+        records.extend(_vanished_before_sizing(listing.vanished))
         keys = listing.keys
+        keys_listed = len(keys) + len(listing.vanished)
+        context.update(_plan_context(options.plan, {key.name for key in keys}))
         reader = LeaseReader(store, _buffer_bytes(keys, options.buffer_mb << 20))
         progress.start(len(keys), sum(key.size or 0 for key in keys))
         try:
             with _StopOnSigint() as stop:
                 watch = _MasterWatch(admin, stop)
-                for record in scan_keys(keys, reader, HostChecker(), stop=stop, on_batch=watch):
+                for record in scan_keys(keys, reader, checker, options.plan, stop=stop, on_batch=watch):
                     records.append(record)
                     sink.record(record)
                     progress.advance(1, record.size or 0)
@@ -123,27 +145,18 @@ def run_scan(settings: Settings, options: ScanOptions, sink, progress: ScanProgr
                 if watch.lost:
                     context["aborted"] = watch.lost
         finally:
-            duration_s = time.perf_counter() - started
             progress.stop()
             reader.close()
-        keys_listed = len(keys) + len(listing.vanished)
-    except AuditError:
+    except AuditError as error:
         if not records:
             raise
-        interrupted, keys_listed = True, len(records)
-        duration_s = time.perf_counter() - started
+        interrupted = True
+        context["aborted"] = str(error)
     finally:
+        duration_s = time.perf_counter() - started
         store.close()
     context["finished_at"] = _now()
-    report = merge_records(records, context=context, keys_listed=keys_listed, interrupted=interrupted,
-                           duration_s=duration_s)
+    report = merge_records(records, context=context, keys_listed=max(keys_listed, len(records)),
+                           interrupted=interrupted, duration_s=duration_s)
     sink.finish(report)
     return report
-
-
-def _vanished_records(names: list[str]) -> list[KeyRecord]:
-    from audit.records import Verdict
-
-    return [KeyRecord(key=name, size=None, fields={}, verdicts=[Verdict.VANISHED],
-                      error={"code": -704, "name": "OBJECT_NOT_FOUND", "message": "gone before sizing"})
-            for name in names]

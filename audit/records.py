@@ -11,6 +11,12 @@ class Verdict(StrEnum):
     ZERO_VALUE = "ZERO_VALUE"              # every byte of the value is zero
     SHARED_CONTENT = "SHARED_CONTENT"      # identical non-zero bytes under two or more distinct keys
     CHECKSUM_MISMATCH = "CHECKSUM_MISMATCH"  # Mooncake's CRC check failed on read (-801)
+    # Findings that need the value's layout or the producer's block tables (vLLM #53084).
+    NULL_BACKED = "NULL_BACKED"            # a block table maps the key to NULL_BLOCK_ID (0)
+    ZERO_STATE = "ZERO_STATE"              # every conv and ssm region all zero
+    PARTIAL_ZERO = "PARTIAL_ZERO"          # some layers' state regions all zero, not all
+    NONFINITE = "NONFINITE"                # NaN or Inf in a state or KV region
+    SIZE_MISMATCH = "SIZE_MISMATCH"        # the value's size is not its layout's
     # Recorded, not a finding: the key went away between listing and reading.
     VANISHED = "VANISHED"                  # -704
     # Incomplete: the key could not be read; exit 3 when there is no finding.
@@ -18,7 +24,9 @@ class Verdict(StrEnum):
     READ_ERROR = "READ_ERROR"              # any other failure
 
 
-FINDINGS = frozenset({Verdict.ZERO_VALUE, Verdict.SHARED_CONTENT, Verdict.CHECKSUM_MISMATCH})
+FINDINGS = frozenset({Verdict.ZERO_VALUE, Verdict.SHARED_CONTENT, Verdict.CHECKSUM_MISMATCH,
+                      Verdict.NULL_BACKED, Verdict.ZERO_STATE, Verdict.PARTIAL_ZERO, Verdict.NONFINITE,
+                      Verdict.SIZE_MISMATCH})
 INCOMPLETE = frozenset({Verdict.UNREACHABLE, Verdict.READ_ERROR})
 
 
@@ -44,6 +52,8 @@ class KeyRecord:
     verdicts: list[str] = field(default_factory=list)
     evidence: dict = field(default_factory=dict)
     error: dict | None = None
+    layout: str | None = None           # which layout described the value, if any
+    regions: list[dict] | None = None   # per-region results (findings, or every key with --all)
 
     @property
     def is_finding(self) -> bool:
@@ -65,7 +75,20 @@ class KeyRecord:
         }
         if self.error is not None:
             document["error"] = self.error
+        if self.layout is not None:
+            document["layout"] = self.layout
+        if self.regions is not None:
+            document["regions"] = self.regions
         return document
+
+    @classmethod
+    def from_json(cls, document: dict) -> KeyRecord:
+        """A record read back from a report (for `crossref`, `diff`, merging shards)."""
+        digest = document.get("xxh3")
+        return cls(key=document["key"], size=document.get("size"), fields=document.get("fields") or {},
+                   xxh3=None if digest is None else int(digest, 16), zero=document.get("zero"),
+                   verdicts=list(document.get("verdicts") or []), evidence=dict(document.get("evidence") or {}),
+                   error=document.get("error"), layout=document.get("layout"), regions=document.get("regions"))
 
 
 @dataclass(slots=True)

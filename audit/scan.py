@@ -13,27 +13,35 @@ from concurrent.futures import ThreadPoolExecutor
 
 from audit.fetch import FetchedBatch, plan_batches
 from audit.judge import judge_read
+from audit.plan import CheckPlan
 from audit.records import KeyInfo, KeyRecord
 
 
-def _check_batch(batch: FetchedBatch, checker) -> Iterator[KeyRecord]:
+def check_batch(batch: FetchedBatch, checker, plan: CheckPlan) -> list[KeyRecord]:
+    records = []
     try:
         for slot, code in zip(batch.slots, batch.results):
+            key = slot.key
+            layout = plan.layout_for(key)
             check = None
-            if code >= 0 and code == slot.key.size:
-                check = checker.check_value(batch.view(slot, code))
-            yield judge_read(slot.key, code, check)
+            if code >= 0 and code == key.size:
+                fits = layout if layout is not None and layout.size == key.size else None
+                check = checker.check_value(batch.view(slot, code), fits)
+            records.append(judge_read(key, code, check, layout=layout, table=plan.table_entry(key),
+                                      keep_regions=plan.keep_regions))
     finally:
         batch.release()
+    return records
 
 
-def scan_keys(keys: Sequence[KeyInfo], reader, checker, *,
+def scan_keys(keys: Sequence[KeyInfo], reader, checker, plan: CheckPlan | None = None, *,
               stop: threading.Event | None = None,
               on_batch: Callable[[list[KeyRecord]], None] | None = None) -> Iterator[KeyRecord]:
     """Read and check `keys`; yields each key's record as soon as its batch is checked.
 
     `stop` ends the scan cleanly between batches (keys not reached get no record).
     """
+    plan = plan or CheckPlan()
     batches = list(plan_batches(keys, reader.capacity))
     if not batches:
         return
@@ -44,7 +52,7 @@ def scan_keys(keys: Sequence[KeyInfo], reader, checker, *,
             stopping = stop is not None and stop.is_set()
             if turn + 1 < len(batches) and not stopping:
                 pending = pool.submit(reader.fetch, batches[turn + 1], turn + 1)
-            records = list(_check_batch(fetched, checker))
+            records = check_batch(fetched, checker, plan)
             if on_batch is not None:
                 on_batch(records)
             yield from records

@@ -48,3 +48,37 @@ def count_nonfinite(data: np.ndarray, dtype: str) -> tuple[int, int]:
     mantissa_zero = (words & bits.mantissa_mask) == 0
     inf = int(np.count_nonzero(special & mantissa_zero))
     return int(np.count_nonzero(special)) - inf, inf
+
+
+def _e4m3fn_table() -> np.ndarray:
+    table = np.empty(256, dtype=np.float32)
+    for byte in range(256):
+        sign = -1.0 if byte & 0x80 else 1.0
+        exponent, mantissa = (byte >> 3) & 0xF, byte & 0x7
+        if exponent == 0xF and mantissa == 0x7:
+            table[byte] = np.nan
+        elif exponent == 0:
+            table[byte] = sign * mantissa / 8 * 2.0 ** -6
+        else:
+            table[byte] = sign * (1 + mantissa / 8) * 2.0 ** (exponent - 7)
+    return table
+
+
+_E4M3FN = _e4m3fn_table()
+
+
+def decode_floats(data: np.ndarray, dtype: str) -> np.ndarray | None:
+    """The bytes as float32 values (for statistics in `explain`); None for non-float dtypes."""
+    bits = FLOAT_DTYPES.get(dtype)
+    if bits is None:
+        return None
+    usable = data[: data.nbytes - data.nbytes % bits.itemsize]
+    if dtype == "float32":
+        return usable.view(np.float32)
+    if dtype == "float16":
+        return usable.view(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        return (usable.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if dtype == "float8_e5m2":
+        return (usable.astype(np.uint16) << 8).view(np.float16).astype(np.float32)
+    return _E4M3FN[usable]

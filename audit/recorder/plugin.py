@@ -1,0 +1,106 @@
+"""The vLLM general plugin: install the recording store when the environment asks for it.
+
+vLLM calls every ``vllm.general_plugins`` entry point in each of its processes before the connector
+builds its store, and the connector looks ``MooncakeDistributedStore`` up in ``mooncake.store`` only
+then; replacing that attribute is enough. Without ``MOONCAKE_AUDIT_RECORD`` or
+``MOONCAKE_AUDIT_GUARD`` this module does nothing and imports nothing else.
+
+Environment:
+  MOONCAKE_AUDIT_RECORD=DIR         record every published key's block ids into DIR
+  MOONCAKE_AUDIT_GUARD=1            withhold keys read from the null block (implies recording; into
+                                    MOONCAKE_AUDIT_RECORD if set, else default_record_directory())
+  MOONCAKE_AUDIT_RECORD_MAX_MB=64   start a new file when one would grow past this size
+  MOONCAKE_AUDIT_RECORD_KEEP=0      newest files kept per process (0: keep all)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+RECORD_ENV = "MOONCAKE_AUDIT_RECORD"
+GUARD_ENV = "MOONCAKE_AUDIT_GUARD"
+MAX_MB_ENV = "MOONCAKE_AUDIT_RECORD_MAX_MB"
+KEEP_ENV = "MOONCAKE_AUDIT_RECORD_KEEP"
+
+logger = logging.getLogger("vllm.mooncake_audit")  # under "vllm" so vLLM's log configuration prints it
+
+
+@dataclass(frozen=True)
+class RecorderSettings:
+    directory: Path
+    guard: bool
+    max_bytes: int
+    keep_files: int
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> RecorderSettings | None:
+        """The settings the environment asks for, or None when it asks for nothing.
+
+        A malformed value is a ValueError: a guard asked for must not be silently off.
+        """
+        record = env.get(RECORD_ENV, "").strip()
+        guard = _flag(env, GUARD_ENV)
+        if not record and not guard:
+            return None
+        return cls(directory=Path(record) if record else default_record_directory(env), guard=guard,
+                   max_bytes=_count(env, MAX_MB_ENV, 64, minimum=1) << 20,
+                   keep_files=_count(env, KEEP_ENV, 0, minimum=0))
+
+
+def default_record_directory(env: Mapping[str, str]) -> Path:
+    """Where the guard records when no directory is given: $XDG_STATE_HOME/mooncake-audit/records."""
+    state = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "mooncake-audit" / "records"
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    value = env.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name}={env[name]!r}: expected 1 or 0")
+
+
+def _count(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
+    value = env.get(name, "").strip()
+    if not value:
+        return default
+    if not value.isdigit() or int(value) < minimum:
+        raise ValueError(f"{name}={value!r}: expected an integer >= {minimum}")
+    return int(value)
+
+
+def register() -> None:
+    """Entry point of the ``vllm.general_plugins`` group (may run several times per process)."""
+    settings = RecorderSettings.from_env(os.environ)
+    if settings is not None:
+        install(settings)
+
+
+def install(settings: RecorderSettings) -> type | None:
+    """Replace ``mooncake.store.MooncakeDistributedStore`` by its recording subclass, once.
+
+    Returns the class in place afterwards, or None where Mooncake is not importable (a process that
+    cannot publish has nothing to record).
+    """
+    try:
+        import mooncake.store as mooncake_store
+    except ImportError as error:
+        logger.warning("mooncake-audit recorder not installed: mooncake.store is not importable (%s)", error)
+        return None
+    current = mooncake_store.MooncakeDistributedStore
+    if getattr(current, "audit_writer", None) is not None:
+        return current
+    from audit.recorder.records import RecordWriter
+    from audit.recorder.wrapper import recording_store_class
+
+    writer = RecordWriter(settings.directory, settings.max_bytes, settings.keep_files)
+    mooncake_store.MooncakeDistributedStore = recording_store_class(current, writer, guard=settings.guard)
+    logger.info("mooncake-audit recorder installed: block records in %s, null-block guard %s",
+                settings.directory, "on" if settings.guard else "off")
+    return mooncake_store.MooncakeDistributedStore

@@ -1,0 +1,134 @@
+"""The recorder's JSONL files: one per process, append-only, every batch written through, rotated by size.
+
+One record per published key, in the per-key block-table shape that `audit.blocktables` reads:
+``{"key", "block_ids", "rc", "time", "pid", "segments"[, "tp_rank"]}``, plus ``"offsets"``, ``"sizes"``
+and ``"note"`` when the block ids could not be derived (``"block_ids": null``), and
+``"withheld": true, "reason": "NULL_BLOCK_ID"`` for keys the guard kept out of the store.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+
+from audit.recorder.blocks import KeyBlocks
+
+logger = logging.getLogger("vllm.mooncake_audit")  # under "vllm" so vLLM's log configuration prints it
+
+NULL_BLOCK_REASON = "NULL_BLOCK_ID"
+DEFAULT_MAX_BYTES = 64 << 20
+
+_TP_RANK = re.compile(r"@tp_rank:(\d+)@")
+
+
+def key_records(keys: Sequence[str], blocks: Sequence[KeyBlocks], results: Sequence[int | None],
+                sizes: Sequence[Sequence[int]], withheld: set[int], now: float, pid: int,
+                error: str | None = None) -> list[dict]:
+    """The records of one put: key i was published with result ``results[i]`` (None: the put raised)."""
+    records = []
+    for index, (key, key_blocks, rc) in enumerate(zip(keys, blocks, results)):
+        record = {"key": key, "block_ids": key_blocks.block_ids, "rc": rc, "time": now, "pid": pid,
+                  "segments": key_blocks.segments}
+        if match := _TP_RANK.search(key):
+            record["tp_rank"] = int(match.group(1))
+        if key_blocks.block_ids is None:
+            record.update(offsets=key_blocks.offsets, sizes=list(sizes[index]), note=key_blocks.note)
+        if index in withheld:
+            record.update(withheld=True, reason=NULL_BLOCK_REASON)
+        if error is not None:
+            record["error"] = error
+        records.append(record)
+    return records
+
+
+class RecordWriter:
+    """Appends records to this process's own files in `directory`.
+
+    Files are named ``blocks-{host}-{pid}-{n}.jsonl`` (a shared directory can collect several hosts;
+    concurrent workers never interleave) and created exclusively, so a restarted process that reuses
+    a pid starts a new file. Each batch is one unbuffered append: whole lines reach the OS before the
+    put returns, and a crash loses nothing already written. A file that would grow past `max_bytes`
+    is closed and the next one started; with `keep_files` only that many of this process's newest
+    files are kept. The first file is opened on the first write, so processes that never publish
+    leave nothing behind. Write errors never reach the put: they are logged once and counted.
+    """
+
+    def __init__(self, directory: Path, max_bytes: int = DEFAULT_MAX_BYTES, keep_files: int = 0):
+        self.directory = Path(directory)
+        self.max_bytes = max_bytes
+        self.keep_files = keep_files
+        self.lost_records = 0
+        self._forget_files()
+        _live_writers.add(self)
+
+    def _forget_files(self) -> None:
+        """Start over without the files of the process this one was forked from."""
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._size = 0
+        self._sequence = 0
+        self._paths: list[Path] = []
+
+    @property
+    def paths(self) -> list[Path]:
+        """The files this process wrote, oldest first (pruned ones excluded)."""
+        return list(self._paths)
+
+    def write(self, records: list[dict]) -> None:
+        if not records:
+            return
+        data = "".join(json.dumps(record, separators=(",", ":")) + "\n" for record in records).encode()
+        with self._lock:
+            try:
+                if self._fd is None or (self._size and self._size + len(data) > self.max_bytes):
+                    self._open_next()
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(self._fd, view):]
+                self._size += len(data)
+            except OSError as error:
+                if not self.lost_records:
+                    logger.warning("mooncake-audit: cannot write block records to %s (%s); "
+                                   "further losses are only counted", self.directory, error.strerror)
+                self.lost_records += len(records)
+
+    def _open_next(self) -> None:
+        self.close()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        stem = f"blocks-{socket.gethostname()}-{os.getpid()}"
+        while True:
+            path = self.directory / f"{stem}-{self._sequence:04d}.jsonl"
+            self._sequence += 1
+            try:
+                self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+                break
+            except FileExistsError:
+                continue
+        self._size = 0
+        self._paths.append(path)
+        while self.keep_files and len(self._paths) > self.keep_files:
+            self._paths.pop(0).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+_live_writers: weakref.WeakSet[RecordWriter] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for writer in list(_live_writers):
+        writer.close()  # the child's copy of the descriptor only: the parent keeps writing its file
+        writer._forget_files()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
