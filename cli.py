@@ -42,6 +42,10 @@ Match = Annotated[Optional[str], typer.Option("--match", envvar="MOONCAKE_AUDIT_
                                              help="Only keys matching this regular expression (search).")]
 BufferMb = Annotated[int, typer.Option("--buffer-mb", envvar="MOONCAKE_AUDIT_BUFFER_MB", min=1,
                                       help="Registered read buffer, MiB (two halves, double-buffered).")]
+Device = Annotated[str, typer.Option("--device", envvar="MOONCAKE_AUDIT_DEVICE",
+                                    help="Where values land: auto, cpu or cuda.")]
+Checker = Annotated[Optional[str], typer.Option("--checker", envvar="MOONCAKE_AUDIT_CHECKER",
+                                               help="numpy or triton.", show_default="numpy on cpu, triton on cuda")]
 # Layouts and block tables
 ModelConfig = Annotated[Optional[list[Path]], typer.Option(
     "--model-config", envvar="MOONCAKE_AUDIT_MODEL_CONFIG",
@@ -111,6 +115,7 @@ def scan(
     master: Master = None, metadata: Metadata = None, admin: Admin = None, protocol: Protocol = None,
     device_name: DeviceName = None, local_hostname: LocalHostname = None, config: Config = None,
     prefix: Prefix = "", match: Match = None, buffer_mb: BufferMb = 256,
+    device: Device = "auto", checker: Checker = None,
     model_config: ModelConfig = None, model: ModelName = None, tp_size: TpSize = 1,
     state_dtype: StateDtype = "bfloat16", ssm_dtype: SsmDtype = None, block_size: BlockSize = None,
     conv_layout: ConvLayout = "SD", layout: LayoutFile = None, layout_for_all: LayoutForAll = False,
@@ -122,16 +127,18 @@ def scan(
 
     Exit codes: 0 clean, 1 findings, 2 could not run, 3 incomplete.
     """
+    from audit.device import resolve_placement
     from audit.orchestrator import ScanOptions, run_scan
 
     _check_choice("--format", fmt, FORMATS)
     try:
+        placement = resolve_placement(device, checker)
         settings = _settings(master, metadata, admin, protocol, device_name, local_hostname, config)
         plan = _plan(model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv_layout, layout,
                      layout_for_all, block_tables, lenient, include_all)
         sink = make_sink(fmt, output, include_all=include_all)
-        report = run_scan(settings, ScanOptions(prefix=prefix, match=match, buffer_mb=buffer_mb, plan=plan),
-                          sink, ScanProgress(progress))
+        options = ScanOptions(prefix=prefix, match=match, buffer_mb=buffer_mb, plan=plan, placement=placement)
+        report = run_scan(settings, options, sink, ScanProgress(progress))
     except AuditError as error:
         raise fail(str(error)) from None
     raise typer.Exit(report.exit_code)

@@ -69,8 +69,37 @@ class RegisteredBuffer:
     def nbytes(self) -> int:
         return self.array.nbytes
 
+    @property
+    def address(self) -> int:
+        return self.array.ctypes.data
+
     def release(self) -> None:
-        self.store.unregister_buffer(self.array.ctypes.data)
+        self.store.unregister_buffer(self.address)
+
+
+class CudaBuffer:
+    """GPU memory (a torch tensor) registered with the store: values land in HBM with no host
+    bounce, for the Triton checker. Needs the CUDA build of the Mooncake client."""
+
+    def __init__(self, store, nbytes: int):
+        import torch
+
+        self.store = store
+        self.array = torch.empty(max(nbytes, ALIGNMENT), dtype=torch.uint8, device="cuda")
+        rc = store.register_buffer(self.array.data_ptr(), self.array.numel())
+        if rc != 0:
+            raise MemoryError(f"register_buffer of {nbytes} bytes of GPU memory failed ({rc})")
+
+    @property
+    def nbytes(self) -> int:
+        return self.array.numel()
+
+    @property
+    def address(self) -> int:
+        return self.array.data_ptr()
+
+    def release(self) -> None:
+        self.store.unregister_buffer(self.address)
 
 
 @dataclass
@@ -93,10 +122,11 @@ class LeaseReader:
 
     mode = "lease"
 
-    def __init__(self, store, buffer_bytes: int):
+    def __init__(self, store, buffer_bytes: int, buffer_type=RegisteredBuffer):
         self.store = store
+        self.buffer_type = buffer_type
         half = max(buffer_bytes // 2, ALIGNMENT)
-        self.buffers = [RegisteredBuffer(store, half), RegisteredBuffer(store, half)]
+        self.buffers = [buffer_type(store, half), buffer_type(store, half)]
 
     @property
     def capacity(self) -> int:
@@ -105,10 +135,10 @@ class LeaseReader:
     def fetch(self, slots: list[Slot], turn: int) -> FetchedBatch:
         needed = slots[-1].offset + (slots[-1].key.size or 0)
         if needed > self.capacity:  # a single value larger than a buffer half
-            buffer, one_off = RegisteredBuffer(self.store, needed), True
+            buffer, one_off = self.buffer_type(self.store, needed), True
         else:
             buffer, one_off = self.buffers[turn % 2], False
-        base = buffer.array.ctypes.data
+        base = buffer.address
         results = self.store.batch_get_into(
             [slot.key.name for slot in slots],
             [base + slot.offset for slot in slots],

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from audit.checks.host import HostChecker
 from audit.connection import AdminClient, Settings, open_store
+from audit.device import Placement
 from audit.errors import AuditError
 from audit.fetch import ALIGNMENT, LeaseReader
 from audit.layouts import summarize
@@ -32,6 +32,7 @@ class ScanOptions:
     match: str | None = None
     buffer_mb: int = 256
     plan: CheckPlan = field(default_factory=CheckPlan)
+    placement: Placement = field(default_factory=lambda: Placement("cpu", "numpy"))
 
     def key_filter(self) -> KeyFilter:
         try:
@@ -113,13 +114,14 @@ def run_scan(settings: Settings, options: ScanOptions, sink, progress: ScanProgr
     key_filter = options.key_filter()
     admin = AdminClient(settings.admin)
     admin.health()
+    checker = options.placement.checker()
     store = open_store(settings)
-    checker = HostChecker()
     context = {
         "started_at": _now(),
         "cluster": {"master": settings.master, "admin": settings.admin},
         "filters": {"prefix": options.prefix, "match": options.match},
         "read_mode": "lease",
+        "device": options.placement.device,
         "checker": checker.name,
     }
     records: list[KeyRecord] = []
@@ -132,7 +134,7 @@ def run_scan(settings: Settings, options: ScanOptions, sink, progress: ScanProgr
         keys = listing.keys
         keys_listed = len(keys) + len(listing.vanished)
         context.update(_plan_context(options.plan, {key.name for key in keys}))
-        reader = LeaseReader(store, _buffer_bytes(keys, options.buffer_mb << 20))
+        reader = LeaseReader(store, _buffer_bytes(keys, options.buffer_mb << 20), options.placement.buffer_type)
         progress.start(len(keys), sum(key.size or 0 for key in keys))
         try:
             with _StopOnSigint() as stop:

@@ -18,20 +18,22 @@ from audit.records import KeyInfo, KeyRecord
 
 
 def check_batch(batch: FetchedBatch, checker, plan: CheckPlan) -> list[KeyRecord]:
-    records = []
+    """Judge every key of a fetched batch; values read whole are checked in one checker call."""
     try:
-        for slot, code in zip(batch.slots, batch.results):
-            key = slot.key
-            layout = plan.layout_for(key)
-            check = None
-            if code >= 0 and code == key.size:
-                fits = layout if layout is not None and layout.size == key.size else None
-                check = checker.check_value(batch.view(slot, code), fits)
-            records.append(judge_read(key, code, check, layout=layout, table=plan.table_entry(key),
-                                      keep_regions=plan.keep_regions))
+        layouts = [plan.layout_for(slot.key) for slot in batch.slots]
+        readable = [i for i, (slot, code) in enumerate(zip(batch.slots, batch.results))
+                    if code >= 0 and code == slot.key.size]
+        items = []
+        for i in readable:
+            slot, layout = batch.slots[i], layouts[i]
+            fits = layout if layout is not None and layout.size == slot.key.size else None
+            items.append((slot.offset, slot.key.size, fits))
+        checks = dict(zip(readable, checker.check_values(batch.buffer.array, items)))
+        return [judge_read(slot.key, code, checks.get(i), layout=layouts[i], table=plan.table_entry(slot.key),
+                           keep_regions=plan.keep_regions)
+                for i, (slot, code) in enumerate(zip(batch.slots, batch.results))]
     finally:
         batch.release()
-    return records
 
 
 def scan_keys(keys: Sequence[KeyInfo], reader, checker, plan: CheckPlan | None = None, *,

@@ -34,6 +34,10 @@ def check_region(data: np.ndarray, dtype: str) -> RegionCheck:
 class HostChecker:
     name = "numpy"
 
+    def check_values(self, buffer: np.ndarray, items) -> list[ValueCheck]:
+        """`items`: (offset, length, layout or None) per value in `buffer`."""
+        return [self.check_value(buffer[offset: offset + length], layout) for offset, length, layout in items]
+
     def check_value(self, data: np.ndarray, layout=None) -> ValueCheck:
         """`layout`: a `audit.layouts.Layout` whose size equals the value's, or None (opaque)."""
         if layout is None:
