@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from audit.records import KeyRecord, Report
-from audit.report.inert import inert
+from audit.report.inert import inert, printable
 from audit.report.output import ReportOutput
 
 
@@ -29,6 +30,13 @@ def _verdict_line(summary: dict) -> str:
     if not summary["complete"]:
         return "INCOMPLETE: no findings, but not every key could be read"
     return "CLEAN: every key read, no findings"
+
+
+def _scope(findings: list[KeyRecord]) -> list[str]:
+    """Where the findings are, for the operator deciding what to purge: per vLLM model and rank."""
+    counts = Counter((r.fields.get("model"), r.fields.get("tp_rank")) for r in findings
+                     if r.fields.get("scheme") == "vllm")
+    return [f"{printable(model, 60)} tp{rank}: {n}" for (model, rank), n in sorted(counts.items(), key=str)]
 
 
 class HumanSink:
@@ -54,7 +62,10 @@ class HumanSink:
         if summary["verdicts"]:
             console.print("verdicts: " + ", ".join(f"{v}={n}" for v, n in summary["verdicts"].items()),
                           markup=False)
-        rows = report.records if self.include_all else report.findings
+        scope = _scope(report.findings)
+        if scope:
+            console.print("findings by model and TP rank: " + ", ".join(scope), markup=False)
+        rows = sorted(report.records if self.include_all else report.findings, key=lambda r: r.key)
         if rows:
             table = Table(title=None, show_lines=False)
             for column in ("key", "verdicts", "size", "xxh3"):

@@ -59,7 +59,7 @@ def plan_steps(tokens: int, block_size: int, rng: np.random.Generator, *,
                              f"step always ends there, so that block is real")
     eligible = [b for b in boundaries if b not in forced_null and b != tokens]
     real = rng.choice(eligible, size=round(real_fraction * len(eligible)), replace=False) if eligible else []
-    between = rng.integers(1, tokens, size=max(1, len(boundaries) // 2))
+    between = rng.integers(1, max(tokens, 2), size=max(1, len(boundaries) // 2))
     between = between[between % block_size != 0]
     return StepSchedule(tuple(sorted({*map(int, real), *map(int, between), tokens})), block_size)
 

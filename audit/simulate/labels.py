@@ -16,13 +16,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from audit.errors import AuditError
+from audit.records import Verdict
 
-ZERO_STATE = "ZERO_STATE"
-PARTIAL_ZERO = "PARTIAL_ZERO"
-NONFINITE = "NONFINITE"
-SIZE_MISMATCH = "SIZE_MISMATCH"
-SHARED_CONTENT = "SHARED_CONTENT"
-NULL_BACKED = "NULL_BACKED"
+ZERO_STATE = Verdict.ZERO_STATE.value
+PARTIAL_ZERO = Verdict.PARTIAL_ZERO.value
+NONFINITE = Verdict.NONFINITE.value
+SIZE_MISMATCH = Verdict.SIZE_MISMATCH.value
+SHARED_CONTENT = Verdict.SHARED_CONTENT.value
+NULL_BACKED = Verdict.NULL_BACKED.value
 
 # cause -> verdicts without block tables (None: a good key). Null-block keys depend on the fill.
 _VERDICTS: dict[str | None, tuple[str, ...]] = {

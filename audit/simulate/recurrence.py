@@ -8,6 +8,9 @@ applied when the states are encoded (``encoding.py``).
 
 States are computed for the whole model (TP 1) and then cut into per-rank shards exactly as
 vLLM's tensor-parallel weight loaders split the mixers, so TP 2 values are slices of TP 1 states.
+
+Cost is the scan itself, O(tokens x layers x state size): the tiny test models take milliseconds,
+mamba-130m about 3 s per 1,000 tokens on one core.
 """
 
 from __future__ import annotations
@@ -200,7 +203,7 @@ class MambaModel:
 
     def __init__(self, config: dict, seed: int):
         self.dims = MambaDims.from_hf_config(config)
-        rng = np.random.default_rng([seed, 0x5EED])
+        rng = np.random.default_rng([seed, 0x5EED])  # the weights' own stream
         self.embedding = _normal(rng, (VOCABULARY, STREAM_WIDTH), 1.0)
         layer = _Mamba1Layer if self.dims.kind == "mamba1" else _Mamba2Layer
         self.layers = [layer(self.dims, rng) for _ in range(self.dims.layers)]

@@ -93,6 +93,8 @@ class WorkloadEntry:
 
 @dataclass(frozen=True)
 class Workload:
+    """Everything a simulation publishes and writes, computed without a store."""
+
     layout: Layout
     entries: tuple[WorkloadEntry, ...]
     block_tables: tuple[dict, ...]  # per (request, TP rank), in audit/blocktables.py's shape
@@ -107,6 +109,9 @@ class Workload:
 
 @dataclass(frozen=True)
 class SimulationResult:
+    """What ``simulate`` published (keys in publishing order, with their labels) and where its
+    files are: pass ``block_tables_path`` (or its directory) and ``layout_path`` to an audit."""
+
     layout: Layout
     labels: tuple[Label, ...]
     counts: dict[str, int]
@@ -147,7 +152,8 @@ def _layout(model_config: dict, model: str, options: SimulationOptions) -> Layou
     return layouts[0]
 
 
-def _plan_chunks(recurrent: MambaModel, layout: Layout, options: SimulationOptions) -> tuple[list[_Chunk], list[dict]]:
+def _plan_chunks(recurrent: MambaModel, layout: Layout,
+                 options: SimulationOptions) -> tuple[list[_Chunk], list[dict]]:
     """Every (request, TP rank, full chunk) key, its block, its states; and the block tables."""
     chunks_per_request = options.tokens // options.block_size
     pool = BlockPool(options.requests * chunks_per_request, _rng(options.seed, "pool"))
@@ -228,7 +234,8 @@ def _entry(chunk: _Chunk, layout: Layout, options: SimulationOptions, null_value
     return WorkloadEntry(label, value)
 
 
-def build_workload(model_config: dict, model: str, options: SimulationOptions = SimulationOptions()) -> Workload:
+def build_workload(model_config: dict, model: str,
+                   options: SimulationOptions = SimulationOptions()) -> Workload:
     """The keys, bytes, labels and block tables of a simulation, without touching a store.
 
     ``model_config``: a Hugging Face ``config.json`` of a pure Mamba1/Mamba2 model (see
