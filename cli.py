@@ -110,6 +110,46 @@ def _plan(model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv
     return CheckPlan(layouts=layouts, layout_for_all=layout_for_all, tables=tables, keep_regions=include_all)
 
 
+Sample = Annotated[Optional[str], typer.Option("--sample", envvar="MOONCAKE_AUDIT_SAMPLE",
+                                               help="Read N keys, or a fraction (0.05) of them, chosen by --seed.")]
+Seed = Annotated[int, typer.Option("--seed", envvar="MOONCAKE_AUDIT_SEED", help="Sampling seed.")]
+StateDirOpt = Annotated[Optional[Path], typer.Option("--state-dir", envvar="MOONCAKE_AUDIT_STATE_DIR",
+                                                     help="Lock against overlapping runs; remembers keys seen, "
+                                                          "so a sampled run also reads every new key.")]
+Deadline = Annotated[Optional[float], typer.Option("--deadline", envvar="MOONCAKE_AUDIT_DEADLINE", min=0.001,
+                                                   help="Stop cleanly after this many seconds.")]
+MaxBandwidth = Annotated[Optional[float], typer.Option("--max-bandwidth", envvar="MOONCAKE_AUDIT_MAX_BANDWIDTH",
+                                                       min=1, help="Read at most this many bytes per second.")]
+CheckpointOpt = Annotated[Optional[Path], typer.Option("--checkpoint", envvar="MOONCAKE_AUDIT_CHECKPOINT",
+                                                       help="Record progress here (JSONL), for --resume.")]
+Resume = Annotated[bool, typer.Option("--resume", help="Continue the scan recorded in --checkpoint.")]
+PromFile = Annotated[Optional[Path], typer.Option("--prom-file", envvar="MOONCAKE_AUDIT_PROM_FILE",
+                                                  help="node_exporter textfile to write (atomically).")]
+Pushgateway = Annotated[Optional[str], typer.Option("--pushgateway", envvar="MOONCAKE_AUDIT_PUSHGATEWAY",
+                                                    help="Prometheus Pushgateway URL.")]
+
+
+def _run(connection: tuple, plan_args: tuple, fmt: str, output, include_all: bool, progress, **scan_options):
+    """The body `scan` and `check` share: build the options, run, exit with the report's code."""
+    from audit.device import resolve_placement
+    from audit.orchestrator import ScanOptions, run_scan
+    from audit.selection import parse_sample
+
+    _check_choice("--format", fmt, FORMATS)
+    if scan_options.get("resume") and scan_options.get("checkpoint") is None:
+        raise fail("--resume needs --checkpoint PATH")
+    try:
+        scan_options["placement"] = resolve_placement(scan_options.pop("device"), scan_options.pop("checker"))
+        scan_options["sample"] = parse_sample(scan_options.get("sample"))
+        settings = _settings(*connection)
+        plan = _plan(*plan_args, include_all)
+        sink = make_sink(fmt, output, include_all=include_all)
+        report = run_scan(settings, ScanOptions(plan=plan, **scan_options), sink, ScanProgress(progress))
+    except AuditError as error:
+        raise fail(str(error)) from None
+    raise typer.Exit(report.exit_code)
+
+
 @app.command()
 def scan(
     master: Master = None, metadata: Metadata = None, admin: Admin = None, protocol: Protocol = None,
@@ -120,6 +160,7 @@ def scan(
     state_dtype: StateDtype = "bfloat16", ssm_dtype: SsmDtype = None, block_size: BlockSize = None,
     conv_layout: ConvLayout = "SD", layout: LayoutFile = None, layout_for_all: LayoutForAll = False,
     block_tables: BlockTablesOpt = None, lenient: Lenient = False,
+    checkpoint: CheckpointOpt = None, resume: Resume = False,
     fmt: Format = "human", output: Output = None, include_all: All = False, progress: ShowProgress = None,
 ) -> None:
     """List every key, read every value, report digests, zero values, shared content and, with a
@@ -127,21 +168,38 @@ def scan(
 
     Exit codes: 0 clean, 1 findings, 2 could not run, 3 incomplete.
     """
-    from audit.device import resolve_placement
-    from audit.orchestrator import ScanOptions, run_scan
+    _run((master, metadata, admin, protocol, device_name, local_hostname, config),
+         (model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv_layout, layout, layout_for_all,
+          block_tables, lenient), fmt, output, include_all, progress,
+         prefix=prefix, match=match, buffer_mb=buffer_mb, device=device, checker=checker,
+         checkpoint=checkpoint, resume=resume)
 
-    _check_choice("--format", fmt, FORMATS)
-    try:
-        placement = resolve_placement(device, checker)
-        settings = _settings(master, metadata, admin, protocol, device_name, local_hostname, config)
-        plan = _plan(model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv_layout, layout,
-                     layout_for_all, block_tables, lenient, include_all)
-        sink = make_sink(fmt, output, include_all=include_all)
-        options = ScanOptions(prefix=prefix, match=match, buffer_mb=buffer_mb, plan=plan, placement=placement)
-        report = run_scan(settings, options, sink, ScanProgress(progress))
-    except AuditError as error:
-        raise fail(str(error)) from None
-    raise typer.Exit(report.exit_code)
+
+@app.command()
+def check(
+    master: Master = None, metadata: Metadata = None, admin: Admin = None, protocol: Protocol = None,
+    device_name: DeviceName = None, local_hostname: LocalHostname = None, config: Config = None,
+    prefix: Prefix = "", match: Match = None, buffer_mb: BufferMb = 256,
+    device: Device = "auto", checker: Checker = None,
+    model_config: ModelConfig = None, model: ModelName = None, tp_size: TpSize = 1,
+    state_dtype: StateDtype = "bfloat16", ssm_dtype: SsmDtype = None, block_size: BlockSize = None,
+    conv_layout: ConvLayout = "SD", layout: LayoutFile = None, layout_for_all: LayoutForAll = False,
+    block_tables: BlockTablesOpt = None, lenient: Lenient = False,
+    sample: Sample = None, seed: Seed = 0, state_dir: StateDirOpt = None, deadline: Deadline = None,
+    max_bandwidth: MaxBandwidth = None, checkpoint: CheckpointOpt = None, resume: Resume = False,
+    prom_file: PromFile = None, pushgateway: Pushgateway = None,
+    fmt: Format = "human", output: Output = None, include_all: All = False, progress: ShowProgress = None,
+) -> None:
+    """The scan tuned for cron: sampling, a deadline, a bandwidth limit, a lock, metrics.
+
+    Exit codes: 0 clean, 1 findings, 2 could not run (or another check holds the lock), 3 incomplete.
+    """
+    _run((master, metadata, admin, protocol, device_name, local_hostname, config),
+         (model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv_layout, layout, layout_for_all,
+          block_tables, lenient), fmt, output, include_all, progress,
+         prefix=prefix, match=match, buffer_mb=buffer_mb, device=device, checker=checker, sample=sample, seed=seed,
+         state_dir=state_dir, deadline_s=deadline, max_bandwidth=max_bandwidth, checkpoint=checkpoint,
+         resume=resume, prom_file=prom_file, pushgateway=pushgateway)
 
 
 @app.command("layout")

@@ -54,5 +54,6 @@ def crossref_report(path: Path, tables: BlockTables) -> Report:
     context["crossref"] = {"report": str(path), "report_lists_every_key": every_key}
     context["block_tables"] = tables.summary({r.key for r in records} if every_key else None)
     return merge_records(records, context=context, keys_listed=summary.get("keys_listed", len(records)),
+                         keys_selected=summary.get("keys_selected"),
                          interrupted=summary.get("interrupted", False), duration_s=summary.get("duration_s", 0.0))
 

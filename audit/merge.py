@@ -44,8 +44,13 @@ def exit_code_for(findings: int, incomplete: bool) -> int:
 
 
 def merge_records(records: Iterable[KeyRecord], *, context: dict, keys_listed: int,
-                  interrupted: bool = False, duration_s: float = 0.0) -> Report:
-    """One report from per-key records; `context` (cluster, options, times) goes into the summary."""
+                  keys_selected: int | None = None, interrupted: bool = False, duration_s: float = 0.0) -> Report:
+    """One report from per-key records; `context` (cluster, options, times) goes into the summary.
+
+    `keys_selected`: how many of the listed keys this run meant to read (a sample); completeness is
+    judged against it.
+    """
+    keys_selected = keys_listed if keys_selected is None else keys_selected
     records = list(records)
     for record in records:  # merging twice must not double cross-key verdicts
         if Verdict.SHARED_CONTENT in record.verdicts:
@@ -57,14 +62,15 @@ def merge_records(records: Iterable[KeyRecord], *, context: dict, keys_listed: i
     unread = sum(1 for record in records if record.is_incomplete)
     read = [record for record in records if record.xxh3 is not None]
     bytes_scanned = sum(record.size or 0 for record in read)
-    incomplete = interrupted or unread > 0 or len(records) < keys_listed
+    incomplete = interrupted or unread > 0 or len(records) < keys_selected
     summary = {
         "tool": {"name": "mooncake-audit", "version": __version__},
         **context,
         "keys_listed": keys_listed,
+        "keys_selected": keys_selected,
         "keys_scanned": len(read),
         "keys_unread": unread,
-        "keys_not_reached": max(keys_listed - len(records), 0),
+        "keys_not_reached": max(keys_selected - len(records), 0),
         "bytes_scanned": bytes_scanned,
         "duration_s": round(duration_s, 3),
         "bytes_per_s": round(bytes_scanned / duration_s) if duration_s > 0 else None,
@@ -85,6 +91,7 @@ def merge_reports(reports: Iterable[Report], *, context: dict) -> Report:
         (record for report in reports for record in report.records),
         context=context,
         keys_listed=sum(report.summary["keys_listed"] for report in reports),
+        keys_selected=sum(report.summary["keys_selected"] for report in reports),
         interrupted=any(report.summary["interrupted"] for report in reports),
         duration_s=max((report.summary["duration_s"] for report in reports), default=0.0),
     )

@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 
 from audit.connection import AdminClient, Settings, open_store
 from audit.device import Placement
@@ -22,8 +23,13 @@ from audit.merge import merge_records
 from audit.plan import CheckPlan
 from audit.progress import ScanProgress
 from audit.records import KeyInfo, KeyRecord, Report, Verdict
+from audit.checkpoint import Checkpoint
+from audit.metrics import export_metrics
 from audit.scan import scan_keys
+from audit.selection import select_keys
 from audit.sources import AdminListing, KeyFilter
+from audit.statedir import StateDir
+from audit.throttle import ThrottledReader
 
 
 @dataclass
@@ -33,6 +39,21 @@ class ScanOptions:
     buffer_mb: int = 256
     plan: CheckPlan = field(default_factory=CheckPlan)
     placement: Placement = field(default_factory=lambda: Placement("cpu", "numpy"))
+    # Cron-friendly bounds (see docs/cron.md)
+    sample: int | float | None = None         # keys, or a fraction of the listing
+    seed: int = 0
+    state_dir: Path | None = None             # lock + keys seen before (sampled runs read every new key)
+    deadline_s: float | None = None
+    max_bandwidth: float | None = None        # bytes per second
+    checkpoint: Path | None = None
+    resume: bool = False
+    prom_file: Path | None = None
+    pushgateway: str | None = None
+
+    def scope(self, settings: Settings) -> dict:
+        """What a checkpoint belongs to: resuming another scan's checkpoint would mix reports."""
+        return {"master": settings.master, "admin": settings.admin, "prefix": self.prefix, "match": self.match,
+                "sample": self.sample, "seed": self.seed}
 
     def key_filter(self) -> KeyFilter:
         try:
@@ -84,10 +105,15 @@ class _MasterWatch:
             self.stop.set()
 
 
-def _buffer_bytes(keys: list[KeyInfo], limit: int) -> int:
-    """No more than the scan needs: a small scan should not allocate and register 256 MiB."""
+def _buffer_bytes(keys: list[KeyInfo], options: ScanOptions) -> int:
+    """No more than the scan needs (a small scan should not register 256 MiB); under a bandwidth
+    limit, batches of about a quarter second, so the pace is even."""
     total = sum(ALIGNMENT + (key.size or 0) for key in keys)
-    return min(limit, 2 * max(total, ALIGNMENT))
+    half = min(options.buffer_mb << 19, max(total, ALIGNMENT))
+    if options.max_bandwidth:
+        largest = max((key.size or 0 for key in keys), default=0)
+        half = min(half, max(int(options.max_bandwidth / 4), largest + ALIGNMENT))
+    return 2 * half
 
 
 def _now() -> str:
@@ -109,12 +135,77 @@ def _plan_context(plan: CheckPlan, listed: set[str]) -> dict:
     return context
 
 
+class _Deadline:
+    """`--deadline`: stop cleanly between batches once the time is up."""
+
+    def __init__(self, seconds: float | None, stop: threading.Event):
+        self.reached = False
+        self._timer = None if seconds is None else threading.Timer(seconds, self._expire, args=(stop,))
+        if self._timer is not None:
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _expire(self, stop: threading.Event) -> None:
+        self.reached = True
+        stop.set()
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+def _select(keys: list[KeyInfo], options: ScanOptions, state: StateDir | None, context: dict) -> list[KeyInfo]:
+    new = state.new_keys([key.name for key in keys]) if state is not None else set()
+    selected = select_keys(keys, options.sample, options.seed, always=new if options.sample is not None else set())
+    if options.sample is not None:
+        context["sample"] = {"requested": options.sample, "seed": options.seed, "new_keys": len(new)}
+    return selected
+
+
+def _read_all(keys, reader, checker, options: ScanOptions, stop: threading.Event, watch: _MasterWatch,
+              checkpoint: Checkpoint | None, emit) -> str | None:
+    """Scan `keys`, handing each record to `emit`; the reason the scan stopped early, if it did."""
+    deadline = _Deadline(options.deadline_s, stop)
+
+    def after_batch(batch: list[KeyRecord]) -> None:
+        if checkpoint is not None:
+            checkpoint.append(batch)
+        watch(batch)
+
+    try:
+        for record in scan_keys(keys, reader, checker, options.plan, stop=stop, on_batch=after_batch):
+            emit(record)
+    finally:
+        deadline.cancel()
+    if watch.lost:
+        return watch.lost
+    if deadline.reached:
+        return f"deadline of {options.deadline_s:g} s reached"
+    return None
+
+
 def run_scan(settings: Settings, options: ScanOptions, sink, progress: ScanProgress | None = None) -> Report:
+    """List, select, read and check; merge; write the report and metrics. Raises AuditError only
+    when nothing could be scanned (exit 2); later failures end in an incomplete report."""
     progress = progress or ScanProgress(enabled=False)
     key_filter = options.key_filter()
+    checker = options.placement.checker()
+    state = StateDir(options.state_dir) if options.state_dir is not None else None
+    try:
+        with _StopOnSigint() as stop:
+            report = _scan(settings, options, sink, progress, key_filter, checker, state, stop)
+    finally:
+        if state is not None:
+            state.release()
+    sink.finish(report)
+    if options.prom_file is not None or options.pushgateway is not None:
+        export_metrics(report, options.prom_file, options.pushgateway)
+    return report
+
+
+def _scan(settings, options, sink, progress, key_filter, checker, state, stop: threading.Event) -> Report:
     admin = AdminClient(settings.admin)
     admin.health()
-    checker = options.placement.checker()
     store = open_store(settings)
     context = {
         "started_at": _now(),
@@ -126,29 +217,39 @@ def run_scan(settings: Settings, options: ScanOptions, sink, progress: ScanProgr
     }
     records: list[KeyRecord] = []
     interrupted = False
-    keys_listed = 0
+    keys_listed = keys_selected = 0
+    checkpoint = None
     started = time.perf_counter()
     try:
         listing = AdminListing(admin, key_filter, size_of=store.get_size).list()
-        records.extend(_vanished_before_sizing(listing.vanished))
-        keys = listing.keys
-        keys_listed = len(keys) + len(listing.vanished)
-        context.update(_plan_context(options.plan, {key.name for key in keys}))
-        reader = LeaseReader(store, _buffer_bytes(keys, options.buffer_mb << 20), options.placement.buffer_type)
+        keys_listed = len(listing.keys) + len(listing.vanished)
+        context.update(_plan_context(options.plan, {key.name for key in listing.keys}))
+        keys = _select(listing.keys, options, state, context)
+        records.extend(_vanished_before_sizing(listing.vanished if options.sample is None else []))
+        keys_selected = len(keys) + len(records)
+        if options.checkpoint is not None:
+            checkpoint = Checkpoint(options.checkpoint, options.scope(settings), options.resume)
+            records.extend(record for name, record in checkpoint.done.items())
+            keys = [key for key in keys if key.name not in checkpoint.done]
+            context["resumed_keys"] = len(checkpoint.done)
+        reader = LeaseReader(store, _buffer_bytes(keys, options), options.placement.buffer_type)
+        if options.max_bandwidth:
+            reader = ThrottledReader(reader, options.max_bandwidth, stop)
         progress.start(len(keys), sum(key.size or 0 for key in keys))
+
+        def emit(record: KeyRecord) -> None:
+            records.append(record)
+            sink.record(record)
+            progress.advance(1, record.size or 0)
+
         try:
-            with _StopOnSigint() as stop:
-                watch = _MasterWatch(admin, stop)
-                for record in scan_keys(keys, reader, checker, options.plan, stop=stop, on_batch=watch):
-                    records.append(record)
-                    sink.record(record)
-                    progress.advance(1, record.size or 0)
-                interrupted = stop.is_set()
-                if watch.lost:
-                    context["aborted"] = watch.lost
+            reason = _read_all(keys, reader, checker, options, stop, _MasterWatch(admin, stop), checkpoint, emit)
         finally:
             progress.stop()
             reader.close()
+        interrupted = stop.is_set()
+        if reason:
+            context["aborted"] = reason
     except AuditError as error:
         if not records:
             raise
@@ -157,8 +258,11 @@ def run_scan(settings: Settings, options: ScanOptions, sink, progress: ScanProgr
     finally:
         duration_s = time.perf_counter() - started
         store.close()
+        if checkpoint is not None:
+            checkpoint.close()
+        if state is not None:
+            state.remember(record.key for record in records)
     context["finished_at"] = _now()
-    report = merge_records(records, context=context, keys_listed=max(keys_listed, len(records)),
-                           interrupted=interrupted, duration_s=duration_s)
-    sink.finish(report)
-    return report
+    return merge_records(records, context=context, keys_listed=max(keys_listed, len(records)),
+                         keys_selected=max(keys_selected, len(records)), interrupted=interrupted,
+                         duration_s=duration_s)

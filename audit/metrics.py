@@ -1,0 +1,64 @@
+"""Cron metrics: a node_exporter textfile (written atomically) and/or a Pushgateway push.
+
+`mooncake_audit_last_success_timestamp_seconds` moves only when a run completes (every selected
+key read, findings or not); a failed or incomplete run keeps the previous value, so an alert on a
+stale last success catches a check that keeps failing.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Gauge, pushadd_to_gateway, write_to_textfile
+
+from audit.errors import AuditError
+from audit.records import FINDINGS, Report
+
+LAST_SUCCESS = "mooncake_audit_last_success_timestamp_seconds"
+
+
+def _previous_success(prom_file: Path | None) -> float | None:
+    if prom_file is None or not prom_file.exists():
+        return None
+    match = re.search(rf"^{LAST_SUCCESS}\s+(\S+)$", prom_file.read_text(errors="replace"), re.MULTILINE)
+    return float(match.group(1)) if match else None
+
+
+def report_registry(report: Report, previous_success: float | None) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    summary = report.summary
+
+    def gauge(name: str, help_text: str, value: float) -> None:
+        Gauge(f"mooncake_audit_{name}", help_text, registry=registry).set(value)
+
+    gauge("keys_listed", "Keys listed by the last run.", summary["keys_listed"])
+    gauge("keys_scanned", "Keys read and checked by the last run.", summary["keys_scanned"])
+    gauge("keys_unread", "Keys the last run could not read.", summary["keys_unread"])
+    gauge("bytes_scanned", "Bytes read and checked by the last run.", summary["bytes_scanned"])
+    gauge("duration_seconds", "Duration of the last run.", summary["duration_s"])
+    gauge("findings", "Keys with at least one finding in the last run.", summary["findings"])
+    gauge("complete", "1 if the last run read every selected key.", 1 if summary["complete"] else 0)
+    gauge("exit_code", "Exit code of the last run.", summary["exit_code"])
+    by_verdict = Gauge("mooncake_audit_verdict_keys", "Keys per verdict in the last run.", ["verdict"],
+                       registry=registry)
+    for verdict in sorted(FINDINGS):
+        by_verdict.labels(verdict=verdict).set(summary["verdicts"].get(verdict, 0))
+    for verdict, count in summary["verdicts"].items():
+        by_verdict.labels(verdict=verdict).set(count)
+    success = time.time() if summary["complete"] else previous_success
+    if success is not None:
+        Gauge(LAST_SUCCESS, "When a run last read every selected key.", registry=registry).set(success)
+    return registry
+
+
+def export_metrics(report: Report, prom_file: Path | None, pushgateway: str | None, job: str = "mooncake_audit") -> None:
+    registry = report_registry(report, _previous_success(prom_file))
+    try:
+        if prom_file is not None:
+            write_to_textfile(str(prom_file), registry)
+        if pushgateway is not None:
+            pushadd_to_gateway(pushgateway, job=job, registry=registry)  # keeps an older last success
+    except OSError as error:
+        raise AuditError(f"cannot export metrics: {error}") from None

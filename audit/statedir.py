@@ -1,0 +1,70 @@
+"""The cron check's state directory: a lock against overlapping runs, and the keys seen so far."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from audit.errors import AuditError
+
+LOCK_NAME = "lock"
+SEEN_NAME = "seen-keys.npy"  # sorted XXH3-64 of key names: 8 bytes a key, a million keys in 8 MB
+
+
+def _name_hashes(names) -> np.ndarray:
+    return np.array(sorted({xxhash.xxh3_64_intdigest(name.encode("utf-8", "surrogateescape")) for name in names}),
+                    dtype=np.uint64)
+
+
+class StateDir:
+    """Holds an exclusive lock on the directory for the life of the run."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._lock = open(self.path / LOCK_NAME, "a+")
+        except OSError as error:
+            raise AuditError(f"cannot use state dir {self.path}: {error.strerror}") from None
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.seek(0)
+            holder = self._lock.read().strip() or "unknown"
+            self._lock.close()
+            raise AuditError(f"another check is running on {self.path} (pid {holder}); not starting") from None
+        self._lock.seek(0)
+        self._lock.truncate()
+        self._lock.write(str(os.getpid()))
+        self._lock.flush()
+
+    def new_keys(self, names: list[str]) -> set[str]:
+        """Names not seen by an earlier run (all of them on the first run)."""
+        seen = self._seen()
+        if seen.size == 0:
+            return set(names)
+        hashes = np.array([xxhash.xxh3_64_intdigest(n.encode("utf-8", "surrogateescape")) for n in names],
+                          dtype=np.uint64)
+        known = np.isin(hashes, seen, assume_unique=False)
+        return {name for name, was_seen in zip(names, known) if not was_seen}
+
+    def remember(self, names) -> None:
+        merged = np.union1d(self._seen(), _name_hashes(names))
+        temp = self.path / f".{SEEN_NAME}.{os.getpid()}"
+        with open(temp, "wb") as handle:
+            np.save(handle, merged)
+        os.replace(temp, self.path / SEEN_NAME)
+
+    def _seen(self) -> np.ndarray:
+        try:
+            return np.load(self.path / SEEN_NAME)
+        except (OSError, ValueError):
+            return np.zeros(0, dtype=np.uint64)
+
+    def release(self) -> None:
+        fcntl.flock(self._lock, fcntl.LOCK_UN)
+        self._lock.close()
