@@ -125,6 +125,8 @@ CheckpointOpt = Annotated[Optional[Path], typer.Option("--checkpoint", envvar="M
 Resume = Annotated[bool, typer.Option("--resume", help="Continue the scan recorded in --checkpoint.")]
 PromFile = Annotated[Optional[Path], typer.Option("--prom-file", envvar="MOONCAKE_AUDIT_PROM_FILE",
                                                   help="node_exporter textfile to write (atomically).")]
+EvidenceDir = Annotated[Optional[Path], typer.Option("--evidence", envvar="MOONCAKE_AUDIT_EVIDENCE",
+                                                     help="Save flagged keys' bytes and a JSON sidecar here (0700).")]
 Pushgateway = Annotated[Optional[str], typer.Option("--pushgateway", envvar="MOONCAKE_AUDIT_PUSHGATEWAY",
                                                     help="Prometheus Pushgateway URL.")]
 
@@ -160,7 +162,7 @@ def scan(
     state_dtype: StateDtype = "bfloat16", ssm_dtype: SsmDtype = None, block_size: BlockSize = None,
     conv_layout: ConvLayout = "SD", layout: LayoutFile = None, layout_for_all: LayoutForAll = False,
     block_tables: BlockTablesOpt = None, lenient: Lenient = False,
-    checkpoint: CheckpointOpt = None, resume: Resume = False,
+    checkpoint: CheckpointOpt = None, resume: Resume = False, evidence: EvidenceDir = None,
     fmt: Format = "human", output: Output = None, include_all: All = False, progress: ShowProgress = None,
 ) -> None:
     """List every key, read every value, report digests, zero values, shared content and, with a
@@ -172,7 +174,7 @@ def scan(
          (model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv_layout, layout, layout_for_all,
           block_tables, lenient), fmt, output, include_all, progress,
          prefix=prefix, match=match, buffer_mb=buffer_mb, device=device, checker=checker,
-         checkpoint=checkpoint, resume=resume)
+         checkpoint=checkpoint, resume=resume, evidence_dir=evidence)
 
 
 @app.command()
@@ -187,7 +189,7 @@ def check(
     block_tables: BlockTablesOpt = None, lenient: Lenient = False,
     sample: Sample = None, seed: Seed = 0, state_dir: StateDirOpt = None, deadline: Deadline = None,
     max_bandwidth: MaxBandwidth = None, checkpoint: CheckpointOpt = None, resume: Resume = False,
-    prom_file: PromFile = None, pushgateway: Pushgateway = None,
+    prom_file: PromFile = None, pushgateway: Pushgateway = None, evidence: EvidenceDir = None,
     fmt: Format = "human", output: Output = None, include_all: All = False, progress: ShowProgress = None,
 ) -> None:
     """The scan tuned for cron: sampling, a deadline, a bandwidth limit, a lock, metrics.
@@ -199,7 +201,7 @@ def check(
           block_tables, lenient), fmt, output, include_all, progress,
          prefix=prefix, match=match, buffer_mb=buffer_mb, device=device, checker=checker, sample=sample, seed=seed,
          state_dir=state_dir, deadline_s=deadline, max_bandwidth=max_bandwidth, checkpoint=checkpoint,
-         resume=resume, prom_file=prom_file, pushgateway=pushgateway)
+         resume=resume, prom_file=prom_file, pushgateway=pushgateway, evidence_dir=evidence)
 
 
 @app.command("layout")

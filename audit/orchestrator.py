@@ -24,6 +24,7 @@ from audit.plan import CheckPlan
 from audit.progress import ScanProgress
 from audit.records import KeyInfo, KeyRecord, Report, Verdict
 from audit.checkpoint import Checkpoint
+from audit.forensics.evidence import EvidenceStore
 from audit.metrics import export_metrics
 from audit.scan import scan_keys
 from audit.selection import select_keys
@@ -49,6 +50,7 @@ class ScanOptions:
     resume: bool = False
     prom_file: Path | None = None
     pushgateway: str | None = None
+    evidence_dir: Path | None = None          # flagged keys' bytes and sidecars
 
     def scope(self, settings: Settings) -> dict:
         """What a checkpoint belongs to: resuming another scan's checkpoint would mix reports."""
@@ -163,7 +165,7 @@ def _select(keys: list[KeyInfo], options: ScanOptions, state: StateDir | None, c
 
 
 def _read_all(keys, reader, checker, options: ScanOptions, stop: threading.Event, watch: _MasterWatch,
-              checkpoint: Checkpoint | None, emit) -> str | None:
+              checkpoint: Checkpoint | None, evidence: EvidenceStore | None, emit) -> str | None:
     """Scan `keys`, handing each record to `emit`; the reason the scan stopped early, if it did."""
     deadline = _Deadline(options.deadline_s, stop)
 
@@ -173,7 +175,8 @@ def _read_all(keys, reader, checker, options: ScanOptions, stop: threading.Event
         watch(batch)
 
     try:
-        for record in scan_keys(keys, reader, checker, options.plan, stop=stop, on_batch=after_batch):
+        for record in scan_keys(keys, reader, checker, options.plan, stop=stop, on_batch=after_batch,
+                                evidence=evidence):
             emit(record)
     finally:
         deadline.cancel()
@@ -219,6 +222,7 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, stop: t
     interrupted = False
     keys_listed = keys_selected = 0
     checkpoint = None
+    evidence = EvidenceStore(options.evidence_dir) if options.evidence_dir is not None else None
     started = time.perf_counter()
     try:
         listing = AdminListing(admin, key_filter, size_of=store.get_size).list()
@@ -243,7 +247,8 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, stop: t
             progress.advance(1, record.size or 0)
 
         try:
-            reason = _read_all(keys, reader, checker, options, stop, _MasterWatch(admin, stop), checkpoint, emit)
+            reason = _read_all(keys, reader, checker, options, stop, _MasterWatch(admin, stop), checkpoint,
+                               evidence, emit)
         finally:
             progress.stop()
             reader.close()
@@ -263,6 +268,9 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, stop: t
         if state is not None:
             state.remember(record.key for record in records)
     context["finished_at"] = _now()
-    return merge_records(records, context=context, keys_listed=max(keys_listed, len(records)),
-                         keys_selected=max(keys_selected, len(records)), interrupted=interrupted,
-                         duration_s=duration_s)
+    report = merge_records(records, context=context, keys_listed=max(keys_listed, len(records)),
+                           keys_selected=max(keys_selected, len(records)), interrupted=interrupted,
+                           duration_s=duration_s)
+    if evidence is not None:
+        evidence.finish(report)
+    return report

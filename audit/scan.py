@@ -17,8 +17,9 @@ from audit.plan import CheckPlan
 from audit.records import KeyInfo, KeyRecord
 
 
-def check_batch(batch: FetchedBatch, checker, plan: CheckPlan) -> list[KeyRecord]:
-    """Judge every key of a fetched batch; values read whole are checked in one checker call."""
+def check_batch(batch: FetchedBatch, checker, plan: CheckPlan, evidence=None) -> list[KeyRecord]:
+    """Judge every key of a fetched batch; values read whole are checked in one checker call.
+    `evidence` (an EvidenceStore) sees each value while its bytes are still in the buffer."""
     try:
         layouts = [plan.layout_for(slot.key) for slot in batch.slots]
         readable = [i for i, (slot, code) in enumerate(zip(batch.slots, batch.results))
@@ -29,16 +30,21 @@ def check_batch(batch: FetchedBatch, checker, plan: CheckPlan) -> list[KeyRecord
             fits = layout if layout is not None and layout.size == slot.key.size else None
             items.append((slot.offset, slot.key.size, fits))
         checks = dict(zip(readable, checker.check_values(batch.buffer.array, items)))
-        return [judge_read(slot.key, code, checks.get(i), layout=layouts[i], table=plan.table_entry(slot.key),
-                           keep_regions=plan.keep_regions)
-                for i, (slot, code) in enumerate(zip(batch.slots, batch.results))]
+        records = [judge_read(slot.key, code, checks.get(i), layout=layouts[i], table=plan.table_entry(slot.key),
+                              keep_regions=plan.keep_regions)
+                   for i, (slot, code) in enumerate(zip(batch.slots, batch.results))]
+        if evidence is not None:
+            for i in readable:
+                slot = batch.slots[i]
+                evidence.consider(slot.key, records[i], batch.view(slot, slot.key.size))
+        return records
     finally:
         batch.release()
 
 
 def scan_keys(keys: Sequence[KeyInfo], reader, checker, plan: CheckPlan | None = None, *,
               stop: threading.Event | None = None,
-              on_batch: Callable[[list[KeyRecord]], None] | None = None) -> Iterator[KeyRecord]:
+              on_batch: Callable[[list[KeyRecord]], None] | None = None, evidence=None) -> Iterator[KeyRecord]:
     """Read and check `keys`; yields each key's record as soon as its batch is checked.
 
     `stop` ends the scan cleanly between batches (keys not reached get no record).
@@ -54,7 +60,7 @@ def scan_keys(keys: Sequence[KeyInfo], reader, checker, plan: CheckPlan | None =
             stopping = stop is not None and stop.is_set()
             if turn + 1 < len(batches) and not stopping:
                 pending = pool.submit(reader.fetch, batches[turn + 1], turn + 1)
-            records = check_batch(fetched, checker, plan)
+            records = check_batch(fetched, checker, plan, evidence)
             if on_batch is not None:
                 on_batch(records)
             yield from records
