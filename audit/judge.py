@@ -16,6 +16,7 @@ from __future__ import annotations
 from audit.blocktables import BlockTableEntry
 from audit.checks.host import ValueCheck
 from audit.fetch import ERROR_NAMES
+from audit.keys import parse_key
 from audit.records import KeyInfo, KeyRecord, Verdict
 
 _READ_VERDICTS = {
@@ -94,6 +95,8 @@ def judge_read(key: KeyInfo, code: int, check: ValueCheck | None, *, layout=None
         if check.regions is not None and (record.verdicts or keep_regions):
             record.regions = _region_rows(layout, check)
     apply_block_table(record, table)
+    if record.verdicts and record.fields is None:
+        record.fields = parse_key(record.key)
     return record
 
 

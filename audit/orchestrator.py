@@ -123,7 +123,7 @@ def _now() -> str:
 
 
 def _vanished_before_sizing(names: list[str]) -> list[KeyRecord]:
-    return [KeyRecord(key=name, size=None, fields={}, verdicts=[Verdict.VANISHED],
+    return [KeyRecord(key=name, size=None, fields=None, verdicts=[Verdict.VANISHED],
                       error={"code": -704, "name": "OBJECT_NOT_FOUND", "message": "gone before sizing"})
             for name in names]
 

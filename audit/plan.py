@@ -28,9 +28,12 @@ class CheckPlan:
             seen.add(slot)
 
     def layout_for(self, key: KeyInfo) -> Layout | None:
-        if not self.layouts or key.fields.get("scheme") != "vllm":
+        if not self.layouts:
             return None
-        slot = (key.fields.get("model"), key.fields.get("group"))
+        fields = key.parsed_fields()
+        if fields.get("scheme") != "vllm":
+            return None
+        slot = (fields.get("model"), fields.get("group"))
         if slot not in self._cache:
             try:
                 self._cache[slot] = select_layout(self.layouts, *slot, self.layout_for_all)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from audit.keys import parse_key
+
 
 class Verdict(StrEnum):
     # Findings: exit 1.
@@ -17,8 +19,10 @@ class Verdict(StrEnum):
     PARTIAL_ZERO = "PARTIAL_ZERO"          # some layers' state regions all zero, not all
     NONFINITE = "NONFINITE"                # NaN or Inf in a state or KV region
     SIZE_MISMATCH = "SIZE_MISMATCH"        # the value's size is not its layout's
-    # Recorded, not a finding: the key went away between listing and reading.
+    REPLICA_DIVERGENT = "REPLICA_DIVERGENT"  # two replicas of the key hold different bytes
+    # Recorded, not a finding: the key went away or changed between listing and reading.
     VANISHED = "VANISHED"                  # -704
+    MOVED = "MOVED"                        # a lease-free read raced a change: the descriptor moved
     # Incomplete: the key could not be read; exit 3 when there is no finding.
     UNREACHABLE = "UNREACHABLE"            # -800: the holder of the bytes is gone
     READ_ERROR = "READ_ERROR"              # any other failure
@@ -26,18 +30,25 @@ class Verdict(StrEnum):
 
 FINDINGS = frozenset({Verdict.ZERO_VALUE, Verdict.SHARED_CONTENT, Verdict.CHECKSUM_MISMATCH,
                       Verdict.NULL_BACKED, Verdict.ZERO_STATE, Verdict.PARTIAL_ZERO, Verdict.NONFINITE,
-                      Verdict.SIZE_MISMATCH})
+                      Verdict.SIZE_MISMATCH, Verdict.REPLICA_DIVERGENT})
 INCOMPLETE = frozenset({Verdict.UNREACHABLE, Verdict.READ_ERROR})
 
 
 @dataclass(slots=True)
 class KeyInfo:
-    """A listed key: its exact name, its size from the lease-free query, its parsed fields."""
+    """A listed key: its exact name, its size from the lease-free query, its replicas.
+
+    Parsed fields are not kept for every listed key (a million dicts would dominate the
+    auditor's memory): `parsed_fields()` derives them when needed.
+    """
 
     name: str
     size: int | None = None
-    fields: dict = field(default_factory=dict)
+    fields: dict | None = None
     replicas: list[dict] = field(default_factory=list)
+
+    def parsed_fields(self) -> dict:
+        return self.fields if self.fields is not None else parse_key(self.name)
 
 
 @dataclass(slots=True)
@@ -46,7 +57,7 @@ class KeyRecord:
 
     key: str
     size: int | None
-    fields: dict
+    fields: dict | None  # None: derived from the key when needed (records of clean keys stay small)
     xxh3: int | None = None
     zero: bool | None = None
     verdicts: list[str] = field(default_factory=list)
@@ -54,6 +65,9 @@ class KeyRecord:
     error: dict | None = None
     layout: str | None = None           # which layout described the value, if any
     regions: list[dict] | None = None   # per-region results (findings, or every key with --all)
+
+    def parsed_fields(self) -> dict:
+        return self.fields if self.fields is not None else parse_key(self.key)
 
     @property
     def is_finding(self) -> bool:
@@ -70,7 +84,7 @@ class KeyRecord:
             "size": self.size,
             "xxh3": None if self.xxh3 is None else f"{self.xxh3:016x}",
             "zero": self.zero,
-            "fields": self.fields,
+            "fields": self.parsed_fields(),
             "evidence": self.evidence,
         }
         if self.error is not None:

@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from audit.connection import AdminClient
-from audit.keys import parse_key
 from audit.records import KeyInfo
 
 QUERY_KEYS_PER_CALL = 1000
@@ -61,7 +60,6 @@ def _key_info(name: str, answer: dict) -> KeyInfo | None:
     return KeyInfo(
         name=name,
         size=int(replicas[0].get("size_", 0)),
-        fields=parse_key(name),
         replicas=[{"endpoint": r.get("transport_endpoint_"), "address": r.get("buffer_address_"),
                    "size": r.get("size_")} for r in replicas],
     )
@@ -106,7 +104,7 @@ class AdminListing:
         for name in with_comma:
             size = self.size_of(name) if self.size_of else -1
             if size >= 0:
-                infos[name] = KeyInfo(name=name, size=size, fields=parse_key(name))
+                infos[name] = KeyInfo(name=name, size=size)
         return infos
 
     def _rejoin(self, lines: list[str], unknown: list[int], found: dict[str, KeyInfo]) -> list[str]:

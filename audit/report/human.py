@@ -34,8 +34,8 @@ def _verdict_line(summary: dict) -> str:
 
 def _scope(findings: list[KeyRecord]) -> list[str]:
     """Where the findings are, for the operator deciding what to purge: per vLLM model and rank."""
-    counts = Counter((r.fields.get("model"), r.fields.get("tp_rank")) for r in findings
-                     if r.fields.get("scheme") == "vllm")
+    parsed = [r.parsed_fields() for r in findings]
+    counts = Counter((f.get("model"), f.get("tp_rank")) for f in parsed if f.get("scheme") == "vllm")
     return [f"{printable(model, 60)} tp{rank}: {n}" for (model, rank), n in sorted(counts.items(), key=str)]
 
 
