@@ -41,6 +41,7 @@ class BlockTables:
     entries: dict[str, BlockTableEntry] = field(default_factory=dict)
     records: int = 0
     skipped_lines: int = 0
+    unresolved: int = 0  # recorder lines whose blocks could not be derived ("block_ids": null)
     files: list[str] = field(default_factory=list)
 
     def get(self, key: str) -> BlockTableEntry | None:
@@ -65,6 +66,7 @@ class BlockTables:
             "keys_not_in_store": None if keys_in_store is None else
             sum(1 for key in self.entries if key not in keys_in_store),
             "skipped_lines": self.skipped_lines,
+            "unresolved_records": self.unresolved,
         }
 
 
@@ -86,6 +88,11 @@ def _block_ids(record: dict) -> tuple[int, ...]:
             raise _Malformed("'block_ids' must be a non-empty list of integers")
         return tuple(_int({"block_ids[]": i}, "block_ids[]") for i in ids)
     return (_int(record, "block_id"),)
+
+
+def _unresolved(record: dict) -> bool:
+    """A recorder line for a key whose physical blocks it could not derive (it says why in `note`)."""
+    return "key" in record and "block_ids" in record and record["block_ids"] is None
 
 
 def _expand(record: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -144,13 +151,16 @@ def read_block_tables(paths: Iterable[Path], *, lenient: bool = False) -> BlockT
                         record = json.loads(line)
                         if not isinstance(record, dict):
                             raise _Malformed("a line must hold a JSON object")
-                        entries = list(_expand(record))
+                        entries = None if _unresolved(record) else list(_expand(record))
                     except (json.JSONDecodeError, _Malformed) as error:
                         if lenient:
                             tables.skipped_lines += 1
                             continue
                         reason = error.msg if isinstance(error, json.JSONDecodeError) else str(error)
                         raise AuditError(f"block table {source}: {reason}") from None
+                    if entries is None:
+                        tables.unresolved += 1
+                        continue
                     tables.records += 1
                     req_id = record.get("req_id")
                     for key, block_ids in entries:

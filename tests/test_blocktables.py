@@ -68,3 +68,12 @@ def test_summary_counts_keys_not_in_the_store(tmp_path):
     tables = read_block_tables([_write(tmp_path / "t.jsonl", [{"key": "here", "block_id": 0}, {"key": "gone", "block_id": 2}])])
     summary = tables.summary({"here", "other"})
     assert summary["keys_not_in_store"] == 1 and summary["null_backed_keys"] == 1 and summary["records"] == 2
+
+
+def test_recorder_lines_without_resolved_blocks_are_counted_not_errors(tmp_path):
+    table = _write(tmp_path / "blocks-host-1-0.jsonl", [
+        {"key": "k1", "block_ids": [2, 2]},
+        {"key": "k2", "block_ids": None, "offsets": [12], "note": "segment offset is not a multiple of its size"}])
+    tables = read_block_tables([table])
+    assert sorted(tables.entries) == ["k1"] and tables.unresolved == 1
+    assert tables.summary(None)["unresolved_records"] == 1

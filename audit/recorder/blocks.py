@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-NULL_BLOCK_ID = 0  # vLLM's null block (vllm/v1/attention/backends/utils.py)
+from audit.blocktables import NULL_BLOCK_ID
 
 
 @dataclass(frozen=True)
@@ -39,24 +39,25 @@ class KeyBlocks:
 class RegisteredRegions:
     """The buffers a store client registered, sorted by base address.
 
-    Updates replace the arrays whole, so a put running in another thread sees either the old or
+    Updates replace the whole snapshot, so a put running in another thread sees either the old or
     the new set, never half of one.
     """
 
     def __init__(self) -> None:
-        self._bases = np.empty(0, np.int64)
-        self._lengths = np.empty(0, np.int64)
+        self._snapshot = _Snapshot(np.empty(0, np.int64), np.empty(0, np.int64))
 
     def add(self, base: int, nbytes: int) -> None:
-        keep = self._bases != base
-        bases = np.append(self._bases[keep], np.int64(base))
-        lengths = np.append(self._lengths[keep], np.int64(nbytes))
+        old = self._snapshot
+        keep = old.bases != base
+        bases = np.append(old.bases[keep], np.int64(base))
+        lengths = np.append(old.lengths[keep], np.int64(nbytes))
         order = np.argsort(bases, kind="stable")
-        self._bases, self._lengths = bases[order], lengths[order]
+        self._snapshot = _Snapshot(bases[order], lengths[order])
 
     def remove(self, base: int) -> None:
-        keep = self._bases != base
-        self._bases, self._lengths = self._bases[keep], self._lengths[keep]
+        old = self._snapshot
+        keep = old.bases != base
+        self._snapshot = _Snapshot(old.bases[keep], old.lengths[keep])
 
     def resolve(self, addrs: list[list[int]], sizes: list[list[int]]) -> list[KeyBlocks]:
         """One KeyBlocks per key, from each key's segment addresses and sizes."""
@@ -69,64 +70,90 @@ class RegisteredRegions:
         except (ValueError, OverflowError, TypeError):
             rectangular = False
         if rectangular:
-            return self._resolve_matrix(matrix, size_matrix, self._bases, self._lengths)
+            return self._snapshot.resolve(matrix, size_matrix)
         if len(addrs) == 1:
             return [KeyBlocks(len(addrs[0]), None, None, "addresses and sizes are not one integer per segment")]
         # Keys with different segment counts: resolve each on its own.
         return [self.resolve([row], [row_sizes])[0] for row, row_sizes in zip(addrs, sizes)]
 
-    @staticmethod
-    def _resolve_matrix(addrs: np.ndarray, sizes: np.ndarray, bases: np.ndarray,
-                        lengths: np.ndarray) -> list[KeyBlocks]:
+
+@dataclass(frozen=True)
+class _Layout:
+    """Per segment (column) of keys whose segments lie in the same regions: where each one is."""
+
+    in_region: np.ndarray  # the column's address lies at or above some region's base
+    region_base: np.ndarray
+    region_end: np.ndarray
+    segment_base: np.ndarray  # region base + rank among the key's segments in that region * part
+    segment_len: np.ndarray  # region length / segments of the key in that region
+    splits_evenly: np.ndarray
+    first_in_region: np.ndarray  # column of the region's first segment: all must share its block id
+
+
+class _Snapshot:
+    """Registered regions at one moment, with the segment layouts derived from them so far."""
+
+    MAX_LAYOUTS = 64  # a producer uses one or a few; a cap keeps an odd one from growing the cache
+
+    def __init__(self, bases: np.ndarray, lengths: np.ndarray):
+        self.bases, self.lengths = bases, lengths
+        self._layouts: dict[bytes, _Layout] = {}
+
+    def layout(self, regions: np.ndarray) -> _Layout:
+        """The layout of keys whose segment j lies in region ``regions[j]`` (-1: below every region)."""
+        cache_key = regions.tobytes()
+        layout = self._layouts.get(cache_key)
+        if layout is None:
+            if len(self._layouts) >= self.MAX_LAYOUTS:
+                self._layouts.clear()
+            layout = self._layouts[cache_key] = self._derive(regions)
+        return layout
+
+    def _derive(self, regions: np.ndarray) -> _Layout:
+        columns = len(regions)
+        safe = np.maximum(regions, 0)
+        _, group, counts = np.unique(regions, return_inverse=True, return_counts=True)
+        order = np.argsort(group, kind="stable")  # columns grouped by region, in listed order
+        group_start = np.cumsum(counts) - counts
+        rank = np.empty(columns, np.int64)
+        rank[order] = np.arange(columns) - group_start[group[order]]
+        base, length, count = self.bases[safe], self.lengths[safe], counts[group]
+        part = length // count
+        return _Layout(in_region=regions >= 0, region_base=base, region_end=base + length,
+                       segment_base=base + rank * part, segment_len=part, splits_evenly=length % count == 0,
+                       first_in_region=order[group_start][group])
+
+    def resolve(self, addrs: np.ndarray, sizes: np.ndarray) -> list[KeyBlocks]:
         keys, segments = addrs.shape
-        if len(bases) == 0 or segments == 0:
+        if len(self.bases) == 0 or segments == 0:
             note = "no buffer registered" if segments else "no segments"
             return [KeyBlocks(segments, None, [None] * segments, note) for _ in range(keys)]
-        region = np.searchsorted(bases, addrs, side="right") - 1
-        # Keys whose segments fall in other regions than the first key's get their own layout.
-        same_layout = (region == region[0]).all(axis=1)
-        if not same_layout.all():
+        regions = np.searchsorted(self.bases, addrs, side="right") - 1
+        same_regions = (regions == regions[0]).all(axis=1)
+        if not same_regions.all():  # keys placed differently from the first: resolved apart
             results: list[KeyBlocks | None] = [None] * keys
-            for rows in (np.flatnonzero(same_layout), np.flatnonzero(~same_layout)):
-                part = RegisteredRegions._resolve_matrix(addrs[rows], sizes[rows], bases, lengths)
-                for row, blocks in zip(rows.tolist(), part):
+            for rows in (np.flatnonzero(same_regions), np.flatnonzero(~same_regions)):
+                for row, blocks in zip(rows.tolist(), self.resolve(addrs[rows], sizes[rows])):
                     results[row] = blocks
             return results  # type: ignore[return-value]
 
-        layout = region[0]
-        safe = np.maximum(layout, 0)
-        region_base, region_end = bases[safe], bases[safe] + lengths[safe]
-        segment_base = np.zeros(segments, np.int64)
-        segment_len = np.zeros(segments, np.int64)
-        splits_evenly = np.ones(segments, bool)
-        shared: list[np.ndarray] = []  # column groups that share one region
-        for r in np.unique(layout[layout >= 0]).tolist():
-            columns = np.flatnonzero(layout == r)
-            count, length = len(columns), int(lengths[r])
-            splits_evenly[columns] = length % count == 0
-            segment_base[columns] = int(bases[r]) + (length // count) * np.arange(count)
-            segment_len[columns] = length // count
-            if count > 1:
-                shared.append(columns)
-
-        inside = (layout >= 0) & (addrs < region_end)
-        offset = addrs - segment_base
+        layout = self.layout(regions[0])
+        inside = layout.in_region & (addrs < layout.region_end)
+        offset = addrs - layout.segment_base
         positive = sizes > 0
-        divisor = np.where(positive, sizes, 1)
-        aligned = positive & (offset % divisor == 0)
-        within = (offset >= 0) & (offset + sizes <= segment_len)
-        block = offset // divisor
-        agree = np.ones_like(inside)
-        for columns in shared:
-            agree[:, columns] = block[:, columns] == block[:, columns[:1]]
-        valid = inside & splits_evenly & aligned & within & agree
+        block, remainder = np.divmod(offset, np.where(positive, sizes, 1))
+        aligned = positive & (remainder == 0)
+        within = (offset >= 0) & (offset + sizes <= layout.segment_len)
+        agree = block == block[:, layout.first_in_region]
+        valid = inside & layout.splits_evenly & aligned & within & agree
         row_valid = valid.all(axis=1).tolist()
         block_rows = block.tolist()
         if all(row_valid):
             return [KeyBlocks(segments, ids) for ids in block_rows]
         checks = [  # in the order a note names the first that fails
             (inside, "a segment lies outside every registered buffer"),
-            (np.broadcast_to(splits_evenly, inside.shape), "a registered buffer does not split evenly into its segments"),
+            (np.broadcast_to(layout.splits_evenly, inside.shape),
+             "a registered buffer does not split evenly into its segments"),
             (positive, "a segment size is not positive"),
             (aligned, "a segment's offset is not a multiple of its size"),
             (within, "a segment's block crosses the end of its segment"),
@@ -140,6 +167,6 @@ class RegisteredRegions:
             column = int(np.flatnonzero(~valid[row])[0])
             note = next(text for passed, text in checks if not passed[row, column])
             offsets = [int(a - b) if hit else None
-                       for a, b, hit in zip(addrs[row].tolist(), region_base.tolist(), inside[row].tolist())]
+                       for a, b, hit in zip(addrs[row].tolist(), layout.region_base.tolist(), inside[row].tolist())]
             results.append(KeyBlocks(segments, None, offsets, note))
         return results

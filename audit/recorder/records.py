@@ -26,26 +26,34 @@ NULL_BLOCK_REASON = "NULL_BLOCK_ID"
 DEFAULT_MAX_BYTES = 64 << 20
 
 _TP_RANK = re.compile(r"@tp_rank:(\d+)@")
+_ENCODER = json.JSONEncoder(separators=(",", ":"))  # built once: json.dumps(separators=...) builds one per call
 
 
-def key_records(keys: Sequence[str], blocks: Sequence[KeyBlocks], results: Sequence[int | None],
-                sizes: Sequence[Sequence[int]], withheld: set[int], now: float, pid: int,
-                error: str | None = None) -> list[dict]:
-    """The records of one put: key i was published with result ``results[i]`` (None: the put raised)."""
-    records = []
+def key_lines(keys: Sequence[str], blocks: Sequence[KeyBlocks], results: Sequence[int | None],
+              sizes: Sequence[Sequence[int]], withheld: set[int], now: float, pid: int,
+              error: str | None = None) -> list[str]:
+    """The JSON lines of one put: key i was published with result ``results[i]`` (None: the put raised).
+
+    The fields every record has are formatted directly (a list of ints prints as JSON), about
+    twice as fast as encoding a dict per key; the rare ones go through the JSON encoder.
+    """
+    common = f',"time":{now!r},"pid":{pid}'
+    lines = []
     for index, (key, key_blocks, rc) in enumerate(zip(keys, blocks, results)):
-        record = {"key": key, "block_ids": key_blocks.block_ids, "rc": rc, "time": now, "pid": pid,
-                  "segments": key_blocks.segments}
+        block_ids = "null" if key_blocks.block_ids is None else str(key_blocks.block_ids).replace(" ", "")
+        line = (f'{{"key":{_ENCODER.encode(key)},"block_ids":{block_ids},"rc":{"null" if rc is None else int(rc)}'
+                f'{common},"segments":{key_blocks.segments}')
         if match := _TP_RANK.search(key):
-            record["tp_rank"] = int(match.group(1))
+            line += f',"tp_rank":{int(match.group(1))}'
+        rare: dict = {}
         if key_blocks.block_ids is None:
-            record.update(offsets=key_blocks.offsets, sizes=list(sizes[index]), note=key_blocks.note)
+            rare.update(offsets=key_blocks.offsets, sizes=list(sizes[index]), note=key_blocks.note)
         if index in withheld:
-            record.update(withheld=True, reason=NULL_BLOCK_REASON)
+            rare.update(withheld=True, reason=NULL_BLOCK_REASON)
         if error is not None:
-            record["error"] = error
-        records.append(record)
-    return records
+            rare["error"] = error
+        lines.append(f"{line},{_ENCODER.encode(rare)[1:]}" if rare else line + "}")
+    return lines
 
 
 class RecordWriter:
@@ -65,11 +73,11 @@ class RecordWriter:
         self.max_bytes = max_bytes
         self.keep_files = keep_files
         self.lost_records = 0
-        self._forget_files()
+        self._reset()
         _live_writers.add(self)
 
-    def _forget_files(self) -> None:
-        """Start over without the files of the process this one was forked from."""
+    def _reset(self) -> None:
+        """No file yet: at creation, and in a forked child, which must not write to its parent's files."""
         self._lock = threading.Lock()
         self._fd: int | None = None
         self._size = 0
@@ -81,10 +89,11 @@ class RecordWriter:
         """The files this process wrote, oldest first (pruned ones excluded)."""
         return list(self._paths)
 
-    def write(self, records: list[dict]) -> None:
-        if not records:
+    def write(self, lines: list[str]) -> None:
+        """Append `lines` (JSON objects, no newline) in one write."""
+        if not lines:
             return
-        data = "".join(json.dumps(record, separators=(",", ":")) + "\n" for record in records).encode()
+        data = ("\n".join(lines) + "\n").encode()
         with self._lock:
             try:
                 if self._fd is None or (self._size and self._size + len(data) > self.max_bytes):
@@ -97,20 +106,19 @@ class RecordWriter:
                 if not self.lost_records:
                     logger.warning("mooncake-audit: cannot write block records to %s (%s); "
                                    "further losses are only counted", self.directory, error.strerror)
-                self.lost_records += len(records)
+                self.lost_records += len(lines)
 
     def _open_next(self) -> None:
         self.close()
         self.directory.mkdir(parents=True, exist_ok=True)
         stem = f"blocks-{socket.gethostname()}-{os.getpid()}"
-        while True:
+        while self._fd is None:  # the first name no earlier process left behind
             path = self.directory / f"{stem}-{self._sequence:04d}.jsonl"
             self._sequence += 1
             try:
                 self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-                break
             except FileExistsError:
-                continue
+                pass
         self._size = 0
         self._paths.append(path)
         while self.keep_files and len(self._paths) > self.keep_files:
@@ -128,7 +136,7 @@ _live_writers: weakref.WeakSet[RecordWriter] = weakref.WeakSet()
 def _after_fork_in_child() -> None:
     for writer in list(_live_writers):
         writer.close()  # the child's copy of the descriptor only: the parent keeps writing its file
-        writer._forget_files()
+        writer._reset()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

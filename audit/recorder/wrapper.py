@@ -13,7 +13,7 @@ import os
 import time
 
 from audit.recorder.blocks import KeyBlocks, RegisteredRegions
-from audit.recorder.records import RecordWriter, key_records, logger
+from audit.recorder.records import RecordWriter, key_lines, logger
 
 # The result reported for a withheld key. vLLM's connector treats any negative result as a failed
 # put: it logs "batch_put failed", keeps the request's saved offset (so the chunk is retried and
@@ -68,7 +68,6 @@ def recording_store_class(base: type, writer: RecordWriter, *, guard: bool = Fal
                 return put(keys, ptrs, sizes, *args, **kwargs)
             withheld = ({index for index, key_blocks in enumerate(blocks) if key_blocks.null_backed}
                         if guard else set())
-            results = None
             try:
                 results = _put_except(put, withheld, keys, ptrs, sizes, args, kwargs)
             except Exception as error:
@@ -81,7 +80,7 @@ def recording_store_class(base: type, writer: RecordWriter, *, guard: bool = Fal
         def _audit_record(self, keys, blocks: list[KeyBlocks], results, segment_sizes, withheld,
                           error: str | None = None) -> None:
             try:
-                writer.write(key_records(keys, blocks, results, segment_sizes, withheld, time.time(),
+                writer.write(key_lines(keys, blocks, results, segment_sizes, withheld, time.time(),
                                          os.getpid(), error))
             except Exception:
                 logger.exception("mooncake-audit: cannot record a put")
