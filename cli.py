@@ -257,6 +257,20 @@ def crossref(
 
 
 @app.command()
+def report(
+    report_path: Annotated[Path, typer.Argument(metavar="REPORT", help="A JSON report (best written with --all).")],
+    html: Annotated[Path, typer.Option("--html", help="Write one self-contained HTML page here.")],
+) -> None:
+    """Render a JSON report as one self-contained HTML page: summary, findings, heat map, charts."""
+    from audit.report.html import write_html
+
+    try:
+        write_html(report_path, html)
+    except AuditError as error:
+        raise fail(str(error)) from None
+
+
+@app.command()
 def explain(
     key: Annotated[str, typer.Argument(help="The exact key name.")],
     master: Master = None, metadata: Metadata = None, admin: Admin = None, protocol: Protocol = None,

@@ -7,8 +7,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+packages=(libibverbs1 libnuma1)
+# the tests render the HTML report in headless Chromium
+[[ "${1:-}" == "--test" ]] && packages+=(chromium)
 missing=()
-for package in libibverbs1 libnuma1; do
+for package in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "ok installed" || missing+=("$package")
 done
 if ((${#missing[@]})); then

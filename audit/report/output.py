@@ -26,6 +26,12 @@ def check_writable(path: Path | None) -> None:
         raise AuditError(f"cannot write {path}: {directory} is not writable")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 class ReportOutput:
     """A text stream: stdout, or a temporary file beside `path` renamed over it on `close()`."""
 
@@ -40,6 +46,7 @@ class ReportOutput:
             check_writable(self.path)
             fd, self._temp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".partial",
                                               dir=self.path.parent)
+            os.fchmod(fd, 0o666 & ~_umask())  # as an ordinary file would be, not mkstemp's 0600
             self.stream = os.fdopen(fd, "w", encoding="utf-8")
 
     def write(self, text: str) -> None:
