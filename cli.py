@@ -131,22 +131,27 @@ Pushgateway = Annotated[Optional[str], typer.Option("--pushgateway", envvar="MOO
                                                     help="Prometheus Pushgateway URL.")]
 
 
-def _run(connection: tuple, plan_args: tuple, fmt: str, output, include_all: bool, progress, **scan_options):
-    """The body `scan` and `check` share: build the options, run, exit with the report's code."""
+def _scan_report(connection: tuple, plan_args: tuple, include_all: bool, progress, sink, **scan_options):
+    """The pipeline every scanning command shares: options in, report out (AuditError on failure)."""
     from audit.device import resolve_placement
     from audit.orchestrator import ScanOptions, run_scan
     from audit.selection import parse_sample
 
+    scan_options["placement"] = resolve_placement(scan_options.pop("device"), scan_options.pop("checker"))
+    scan_options["sample"] = parse_sample(scan_options.get("sample"))
+    settings = _settings(*connection)
+    plan = _plan(*plan_args, include_all)
+    return run_scan(settings, ScanOptions(plan=plan, **scan_options), sink(), ScanProgress(progress))
+
+
+def _run(connection: tuple, plan_args: tuple, fmt: str, output, include_all: bool, progress, **scan_options):
+    """The body `scan` and `check` share: run, exit with the report's code."""
     _check_choice("--format", fmt, FORMATS)
     if scan_options.get("resume") and scan_options.get("checkpoint") is None:
         raise fail("--resume needs --checkpoint PATH")
     try:
-        scan_options["placement"] = resolve_placement(scan_options.pop("device"), scan_options.pop("checker"))
-        scan_options["sample"] = parse_sample(scan_options.get("sample"))
-        settings = _settings(*connection)
-        plan = _plan(*plan_args, include_all)
-        sink = make_sink(fmt, output, include_all=include_all)
-        report = run_scan(settings, ScanOptions(plan=plan, **scan_options), sink, ScanProgress(progress))
+        report = _scan_report(connection, plan_args, include_all, progress,
+                              lambda: make_sink(fmt, output, include_all=include_all), **scan_options)
     except AuditError as error:
         raise fail(str(error)) from None
     raise typer.Exit(report.exit_code)
@@ -202,6 +207,86 @@ def check(
          prefix=prefix, match=match, buffer_mb=buffer_mb, device=device, checker=checker, sample=sample, seed=seed,
          state_dir=state_dir, deadline_s=deadline, max_bandwidth=max_bandwidth, checkpoint=checkpoint,
          resume=resume, prom_file=prom_file, pushgateway=pushgateway, evidence_dir=evidence)
+
+
+@app.command()
+def snapshot(
+    output: Annotated[Path, typer.Option("--output", "-o", help="The snapshot file (SQLite) to write.")],
+    master: Master = None, metadata: Metadata = None, admin: Admin = None, protocol: Protocol = None,
+    device_name: DeviceName = None, local_hostname: LocalHostname = None, config: Config = None,
+    prefix: Prefix = "", match: Match = None, buffer_mb: BufferMb = 256,
+    device: Device = "auto", checker: Checker = None,
+    model_config: ModelConfig = None, model: ModelName = None, tp_size: TpSize = 1,
+    state_dtype: StateDtype = "bfloat16", ssm_dtype: SsmDtype = None, block_size: BlockSize = None,
+    conv_layout: ConvLayout = "SD", layout: LayoutFile = None, layout_for_all: LayoutForAll = False,
+    block_tables: BlockTablesOpt = None, lenient: Lenient = False, progress: ShowProgress = None,
+) -> None:
+    """Digests of every key and region, with parsed fields, sizes and time, streamed into SQLite."""
+    from audit.forensics.snapshot import SnapshotSink
+
+    try:
+        with SnapshotSink(output) as sink:
+            report = _scan_report((master, metadata, admin, protocol, device_name, local_hostname, config),
+                                  (model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv_layout,
+                                   layout, layout_for_all, block_tables, lenient), True, progress, lambda: sink,
+                                  prefix=prefix, match=match, buffer_mb=buffer_mb, device=device, checker=checker)
+    except AuditError as error:
+        raise fail(str(error)) from None
+    typer.echo(f"snapshot of {report.summary['keys_scanned']} keys written to {printable(str(output))}", err=True)
+    raise typer.Exit(report.exit_code)
+
+
+@app.command()
+def diff(
+    a: Annotated[Path, typer.Argument(help="A snapshot (the earlier one).")],
+    b: Annotated[Optional[Path], typer.Argument(help="A later snapshot; omit it with --live.")] = None,
+    live: Annotated[bool, typer.Option("--live", help="Compare A with the cluster as it is now.")] = False,
+    master: Master = None, metadata: Metadata = None, admin: Admin = None, protocol: Protocol = None,
+    device_name: DeviceName = None, local_hostname: LocalHostname = None, config: Config = None,
+    model_config: ModelConfig = None, model: ModelName = None, tp_size: TpSize = 1,
+    state_dtype: StateDtype = "bfloat16", ssm_dtype: SsmDtype = None, block_size: BlockSize = None,
+    conv_layout: ConvLayout = "SD", layout: LayoutFile = None, layout_for_all: LayoutForAll = False,
+    fmt: Annotated[str, typer.Option("--format", help="human or json")] = "human", output: Output = None,
+) -> None:
+    """Keys added, removed and changed between two snapshots, or a snapshot and the live cluster.
+
+    Exit codes: 0 no difference is a finding, 1 differences that are findings, 2 could not run,
+    3 a snapshot is incomplete or sampled (some differences may be keys it never read).
+    """
+    import tempfile
+
+    from rich.console import Console
+
+    from audit.forensics.diff import diff_document, diff_snapshots, print_diff
+    from audit.forensics.snapshot import SnapshotSink, open_snapshot
+    from audit.report.output import ReportOutput
+
+    _check_choice("--format", fmt, ("human", "json"))
+    if (b is None) == (not live):
+        raise fail("give two snapshots, or one snapshot and --live")
+    try:
+        with tempfile.TemporaryDirectory(prefix="mooncake-audit-diff-") as work:
+            if live:
+                with open_snapshot(a) as earlier:
+                    filters = (earlier.meta.get("summary") or {}).get("filters") or {}
+                b = Path(work) / "live.db"
+                with SnapshotSink(b) as sink:
+                    _scan_report((master, metadata, admin, protocol, device_name, local_hostname, config),
+                                 (model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv_layout,
+                                  layout, layout_for_all, None, False), True, False, lambda: sink,
+                                 prefix=filters.get("prefix") or "", match=filters.get("match"), device="cpu",
+                                 checker=None)
+            result = diff_snapshots(a, b)
+            out = ReportOutput(output)
+            if fmt == "json":
+                out.write(json.dumps(diff_document(result)) + "\n")
+            else:
+                print_diff(result, Console(file=out.stream, width=160, highlight=False,
+                                           force_terminal=None if output is None else False))
+            out.close()
+    except AuditError as error:
+        raise fail(str(error)) from None
+    raise typer.Exit(result.exit_code)
 
 
 @app.command("layout")
