@@ -25,7 +25,12 @@ ERROR_NAMES = {
     -706: "OBJECT_HAS_LEASE",
     -800: "TRANSFER_FAIL",
     -801: "CHECKSUM_MISMATCH",
+    # The auditor's own codes, never Mooncake's: outcomes of a lease-free read (audit.readers).
+    -9001: "MOVED",
+    -9002: "NOT_PEEKABLE",
 }
+MOVED = -9001         # a replica's descriptor changed while it was read raw: the bytes may be another value's
+NOT_PEEKABLE = -9002  # no memory replica to read lease-free (a key holding a comma, or disk-only replicas)
 
 
 def _aligned(n: int) -> int:
@@ -108,6 +113,9 @@ class FetchedBatch:
     results: list[int]          # bytes read, or a negative Mooncake error code
     buffer: RegisteredBuffer
     one_off: bool = False
+    # Per slot, one entry per replica read ({"endpoint", "address", "size", "xxh3", "status"}),
+    # from readers that read every replica (audit.readers.PeekReader); None from LeaseReader.
+    replicas: list[list[dict]] | None = None
 
     def view(self, slot: Slot, length: int) -> np.ndarray:
         return self.buffer.array[slot.offset: slot.offset + length]
