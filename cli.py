@@ -111,6 +111,8 @@ def _plan(model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv
     return CheckPlan(layouts=layouts, layout_for_all=layout_for_all, tables=tables, keep_regions=include_all)
 
 
+ReadMode = Annotated[str, typer.Option("--read-mode", envvar="MOONCAKE_AUDIT_READ_MODE",
+                                      help="lease (batch_get_into) or peek (lease-free raw reads of every replica).")]
 Sample = Annotated[Optional[str], typer.Option("--sample", envvar="MOONCAKE_AUDIT_SAMPLE",
                                                help="Read N keys, or a fraction (0.05) of them, chosen by --seed.")]
 Seed = Annotated[int, typer.Option("--seed", envvar="MOONCAKE_AUDIT_SEED", help="Sampling seed.")]
@@ -148,6 +150,7 @@ def _scan_report(connection: tuple, plan_args: tuple, include_all: bool, progres
 def _run(connection: tuple, plan_args: tuple, fmt: str, output, include_all: bool, progress, **scan_options):
     """The body `scan` and `check` share: run, exit with the report's code."""
     _check_choice("--format", fmt, FORMATS)
+    _check_choice("--read-mode", scan_options.get("read_mode"), ("lease", "peek"))
     if scan_options.get("resume") and scan_options.get("checkpoint") is None:
         raise fail("--resume needs --checkpoint PATH")
     try:
@@ -169,6 +172,7 @@ def scan(
     conv_layout: ConvLayout = "SD", layout: LayoutFile = None, layout_for_all: LayoutForAll = False,
     block_tables: BlockTablesOpt = None, lenient: Lenient = False,
     checkpoint: CheckpointOpt = None, resume: Resume = False, evidence: EvidenceDir = None,
+    read_mode: ReadMode = "lease",
     fmt: Format = "human", output: Output = None, include_all: All = False, progress: ShowProgress = None,
 ) -> None:
     """List every key, read every value, report digests, zero values, shared content and, with a
@@ -180,7 +184,7 @@ def scan(
          (model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv_layout, layout, layout_for_all,
           block_tables, lenient), fmt, output, include_all, progress,
          prefix=prefix, match=match, buffer_mb=buffer_mb, device=device, checker=checker,
-         checkpoint=checkpoint, resume=resume, evidence_dir=evidence)
+         checkpoint=checkpoint, resume=resume, evidence_dir=evidence, read_mode=read_mode)
 
 
 @app.command()
@@ -196,6 +200,7 @@ def check(
     sample: Sample = None, seed: Seed = 0, state_dir: StateDirOpt = None, deadline: Deadline = None,
     max_bandwidth: MaxBandwidth = None, checkpoint: CheckpointOpt = None, resume: Resume = False,
     prom_file: PromFile = None, pushgateway: Pushgateway = None, evidence: EvidenceDir = None,
+    read_mode: ReadMode = "peek",
     fmt: Format = "human", output: Output = None, include_all: All = False, progress: ShowProgress = None,
 ) -> None:
     """The scan tuned for cron: sampling, a deadline, a bandwidth limit, a lock, metrics.
@@ -207,7 +212,7 @@ def check(
           block_tables, lenient), fmt, output, include_all, progress,
          prefix=prefix, match=match, buffer_mb=buffer_mb, device=device, checker=checker, sample=sample, seed=seed,
          state_dir=state_dir, deadline_s=deadline, max_bandwidth=max_bandwidth, checkpoint=checkpoint,
-         resume=resume, prom_file=prom_file, pushgateway=pushgateway, evidence_dir=evidence)
+         resume=resume, prom_file=prom_file, pushgateway=pushgateway, evidence_dir=evidence, read_mode=read_mode)
 
 
 @app.command()
@@ -276,7 +281,7 @@ def diff(
                                  (model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv_layout,
                                   layout, layout_for_all, None, False), True, False, lambda: sink,
                                  prefix=filters.get("prefix") or "", match=filters.get("match"), device="cpu",
-                                 checker=None)
+                                 checker=None, read_mode="peek")
             result = diff_snapshots(a, b)
             out = ReportOutput(output)
             if fmt == "json":
@@ -326,7 +331,8 @@ def purge(
                 report_path = Path(work) / "scan.json"
                 _scan_report(connection, (model_config, model, tp_size, state_dtype, ssm_dtype, block_size,
                                           conv_layout, layout, layout_for_all, block_tables, lenient), False, None,
-                             lambda: JsonSink(report_path), prefix=prefix, match=match, device="cpu", checker=None)
+                             lambda: JsonSink(report_path), prefix=prefix, match=match, device="cpu", checker=None,
+                             read_mode="peek")  # no leases: the removals that follow are not refused
             targets = targets_from_report(report_path, verdict or ())
             stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
             evidence = evidence or Path(f"mooncake-audit-evidence-{stamp}")
@@ -439,7 +445,7 @@ def explain(
         typer.echo(json.dumps(document, indent=1))
     else:
         print_explain(document)
-    findings = any(v not in ("VANISHED", "UNREACHABLE", "READ_ERROR") for v in document["verdicts"])
+    findings = any(v not in ("VANISHED", "MOVED", "UNREACHABLE", "READ_ERROR") for v in document["verdicts"])
     raise typer.Exit(1 if findings else 0)
 
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from audit.blocktables import BlockTableEntry
 from audit.checks.host import ValueCheck
-from audit.fetch import ERROR_NAMES
+from audit.fetch import ERROR_NAMES, MOVED
 from audit.keys import parse_key
 from audit.records import KeyInfo, KeyRecord, Verdict
 
 _READ_VERDICTS = {
     -704: Verdict.VANISHED,
+    MOVED: Verdict.MOVED,
     -800: Verdict.UNREACHABLE,
     -801: Verdict.CHECKSUM_MISMATCH,
 }
@@ -102,7 +103,7 @@ def judge_read(key: KeyInfo, code: int, check: ValueCheck | None, *, layout=None
 
 def apply_block_table(record: KeyRecord, table: BlockTableEntry | None) -> None:
     """Evidence from the producer's block table; NULL_BACKED when it names NULL_BLOCK_ID."""
-    if table is None or Verdict.VANISHED in record.verdicts:
+    if table is None or Verdict.VANISHED in record.verdicts or Verdict.MOVED in record.verdicts:
         return
     record.evidence["block_table"] = {"block_ids": list(table.block_ids[:64]), "sources": table.sources[:3],
                                       "req_ids": table.req_ids[:3]}

@@ -51,6 +51,7 @@ class ScanOptions:
     prom_file: Path | None = None
     pushgateway: str | None = None
     evidence_dir: Path | None = None          # flagged keys' bytes and sidecars
+    read_mode: str = "lease"                  # lease: batch_get_into; peek: lease-free raw reads (docs/read-modes.md)
 
     def scope(self, settings: Settings) -> dict:
         """What a checkpoint belongs to: resuming another scan's checkpoint would mix reports."""
@@ -164,12 +165,43 @@ def _select(keys: list[KeyInfo], options: ScanOptions, state: StateDir | None, c
     return selected
 
 
+def _reader(settings: Settings, admin: AdminClient, store, keys: list[KeyInfo], options: ScanOptions):
+    if options.read_mode == "lease":
+        return LeaseReader(store, _buffer_bytes(keys, options), options.placement.buffer_type)
+    if options.placement.device != "cpu":
+        raise AuditError("--read-mode peek reads into host memory: use it with --device cpu")
+    from audit.readers.peek import PeekReader
+
+    return PeekReader(settings, admin, _buffer_bytes(keys, options))
+
+
+def _confirm(records: list[KeyRecord], confirm) -> None:
+    """A lease-free read may race a re-put: findings stand only if a second read sees the same bytes."""
+    from audit.readers.confirm import apply_confirmation
+
+    by_key = {record.key: record for record in records}
+    for key, confirmation in confirm(list(by_key.values())).items():
+        apply_confirmation(by_key[key], confirmation)
+
+
+def _confirm_shared(records: list[KeyRecord], reader) -> None:
+    """SHARED_CONTENT is known only across keys: confirm its members once the scan is done."""
+    merge_records(records, context={}, keys_listed=len(records))  # marks SHARED_CONTENT (idempotent)
+    pending = [r for r in records if Verdict.SHARED_CONTENT in r.verdicts and "confirmation" not in r.evidence]
+    if pending:
+        _confirm(pending, reader.confirm)
+
+
 def _read_all(keys, reader, checker, options: ScanOptions, stop: threading.Event, watch: _MasterWatch,
-              checkpoint: Checkpoint | None, evidence: EvidenceStore | None, emit) -> str | None:
-    """Scan `keys`, handing each record to `emit`; the reason the scan stopped early, if it did."""
+              checkpoint: Checkpoint | None, evidence: EvidenceStore | None, emit, confirm=None) -> str | None:
+    """Scan `keys`, handing each record to `emit`; the reason the scan stopped early, if it did.
+    `confirm` (peek reads): findings are read a second time before they are reported."""
     deadline = _Deadline(options.deadline_s, stop)
 
     def after_batch(batch: list[KeyRecord]) -> None:
+        findings = [record for record in batch if record.is_finding and record.xxh3 is not None]
+        if confirm is not None and findings:
+            _confirm(findings, confirm)
         if checkpoint is not None:
             checkpoint.append(batch)
         watch(batch)
@@ -214,7 +246,7 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, stop: t
         "started_at": _now(),
         "cluster": {"master": settings.master, "admin": settings.admin},
         "filters": {"prefix": options.prefix, "match": options.match},
-        "read_mode": "lease",
+        "read_mode": options.read_mode,
         "device": options.placement.device,
         "checker": checker.name,
     }
@@ -236,7 +268,7 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, stop: t
             records.extend(record for name, record in checkpoint.done.items())
             keys = [key for key in keys if key.name not in checkpoint.done]
             context["resumed_keys"] = len(checkpoint.done)
-        reader = LeaseReader(store, _buffer_bytes(keys, options), options.placement.buffer_type)
+        reader = base_reader = _reader(settings, admin, store, keys, options)
         if options.max_bandwidth:
             reader = ThrottledReader(reader, options.max_bandwidth, stop)
         progress.start(len(keys), sum(key.size or 0 for key in keys))
@@ -248,7 +280,9 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, stop: t
 
         try:
             reason = _read_all(keys, reader, checker, options, stop, _MasterWatch(admin, stop), checkpoint,
-                               evidence, emit)
+                               evidence, emit, getattr(base_reader, "confirm", None))
+            if hasattr(base_reader, "confirm"):
+                _confirm_shared(records, base_reader)
         finally:
             progress.stop()
             reader.close()

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from audit.fetch import FetchedBatch, plan_batches
 from audit.judge import judge_read
 from audit.plan import CheckPlan
+from audit.readers.replicas import judge_replicas
 from audit.records import KeyInfo, KeyRecord
 
 
@@ -33,6 +34,9 @@ def check_batch(batch: FetchedBatch, checker, plan: CheckPlan, evidence=None) ->
         records = [judge_read(slot.key, code, checks.get(i), layout=layouts[i], table=plan.table_entry(slot.key),
                               keep_regions=plan.keep_regions)
                    for i, (slot, code) in enumerate(zip(batch.slots, batch.results))]
+        if batch.replicas is not None:  # a peek read: every replica's digest
+            for record, rows in zip(records, batch.replicas):
+                judge_replicas(record, rows)
         if evidence is not None:
             for i in readable:
                 slot = batch.slots[i]

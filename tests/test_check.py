@@ -178,3 +178,24 @@ def test_resume_needs_a_checkpoint_and_refuses_another_scans(cli_args, namespace
 def test_bad_sample_is_a_clean_error(cli_args, bad):
     result = run_cli("check", *cli_args, "--sample", bad)
     assert result.exit_code == 2 and "--sample" in result.stderr
+
+
+def test_a_peek_check_leaves_keys_removable_a_lease_scan_does_not(publisher, cli_args, namespace):
+    for name in ("peeked", "leased"):
+        publisher.put(namespace + name, b"\x05" * 10_000)
+    code, peeked = _check(cli_args, namespace + "peeked")
+    assert code == 0 and peeked["summary"]["read_mode"] == "peek"
+    assert publisher.store.remove(namespace + "peeked", False) == 0  # no lease was taken
+    result = run_cli("scan", *cli_args, "--prefix", namespace + "leased", "--format", "json", "--no-progress")
+    assert result.exit_code == 0 and json.loads(result.stdout)["summary"]["read_mode"] == "lease"
+    assert publisher.store.remove(namespace + "leased", False) == -706  # OBJECT_HAS_LEASE for the TTL
+
+
+def test_peek_reads_confirm_findings_and_report_replica_digests(publisher, cli_args, namespace):
+    publisher.put(namespace + "zero", bytes(8192))
+    code, report = _check(cli_args, namespace)
+    record = report["keys"][0]
+    assert code == 1 and record["verdicts"] == ["ZERO_VALUE"]
+    assert record["evidence"]["confirmation"]["status"] == "confirmed"
+    assert [row["status"] for row in record["evidence"]["replicas"]] == ["ok"]
+    assert record["evidence"]["replicas"][0]["xxh3"] == record["xxh3"]
