@@ -29,6 +29,45 @@ FLOAT_DTYPES: dict[str, FloatBits] = {
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
 
+_INT = {1: np.int8, 2: np.int16, 4: np.int32}
+
+
+@dataclass(frozen=True)
+class Screen:
+    """An exact any-NaN/Inf test in two max reductions, no temporaries: an element is NaN or Inf
+    exactly when its bits without the sign are >= ``threshold`` (exponent all ones; for e4m3fn,
+    exponent and mantissa all ones). The unsigned max catches negative ones (>= sign|threshold),
+    the signed max positive ones (>= threshold)."""
+
+    itemsize: int
+    unsigned: type
+    signed: type
+    unsigned_min: int
+    signed_min: int
+
+    def any(self, data: np.ndarray) -> bool:
+        """Whether the bytes hold a NaN or Inf (trailing bytes that do not fill an element are
+        ignored, as `count_nonfinite` ignores them)."""
+        if data.nbytes % self.itemsize:
+            data = data[: data.nbytes - data.nbytes % self.itemsize]
+        words = data.view(self.unsigned)
+        if not words.size:
+            return False
+        return bool(_max(words) >= self.unsigned_min or _max(words.view(self.signed)) >= self.signed_min)
+
+
+_max = np.maximum.reduce
+
+
+def _screen(bits: FloatBits) -> Screen:
+    threshold = bits.exponent_mask if bits.has_inf else bits.exponent_mask | bits.mantissa_mask
+    sign = 1 << (8 * bits.itemsize - 1)
+    return Screen(bits.itemsize, _UINT[bits.itemsize], _INT[bits.itemsize], sign | threshold, threshold)
+
+
+SCREENS: dict[str, Screen] = {name: _screen(bits) for name, bits in FLOAT_DTYPES.items()}
+
+
 def count_nonfinite(data: np.ndarray, dtype: str) -> tuple[int, int]:
     """(NaN count, Inf count) of the bytes in ``data`` read as ``dtype``; (0, 0) for non-floats.
 

@@ -1,0 +1,1 @@
+"""Benchmarks of mooncake-audit: `python -m benchmarks.run [--quick]` (docs/benchmarks.md)."""
