@@ -6,14 +6,15 @@ JSON config that vLLM's connector uses (`MOONCAKE_CONFIG_PATH`), then defaults.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import socket
 import sys
 import tempfile
-import urllib.error
+import threading
 import urllib.parse
-import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,23 +66,64 @@ def read_mooncake_config(path: Path) -> dict:
     return data
 
 
+QUERY_KEYS_PER_CALL = 1000
+QUERY_URL_BUDGET = 48 * 1024  # bytes of percent-encoded keys per `/batch_query_keys` call
+
+
+def _encoded(key: str) -> str:
+    """Percent-encoded for the query string; '@' and ':' (in every vLLM key) stay as they are."""
+    return urllib.parse.quote(key.encode("utf-8", "surrogateescape"), safe="@:")
+
+
 class AdminClient:
-    """The master's admin HTTP port: listing and lease-free queries. Never its destructive routes."""
+    """The master's admin HTTP port: listing and lease-free queries. Never its destructive routes.
+
+    One keep-alive connection per thread (a listing makes thousands of calls; the peek reader asks
+    from the fetch thread while the main thread checks).
+    """
 
     def __init__(self, base_url: str, timeout_s: float = 30.0):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        parsed = urllib.parse.urlsplit(self.base_url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise AuditError(f"--admin must be an http(s) URL, not {base_url!r}")
+        self._parsed = parsed
+        self._local = threading.local()
+
+    def _connection(self) -> http.client.HTTPConnection:
+        connection = getattr(self._local, "connection", None)
+        if connection is None:
+            kind = http.client.HTTPSConnection if self._parsed.scheme == "https" else http.client.HTTPConnection
+            connection = kind(self._parsed.hostname, self._parsed.port, timeout=self.timeout_s)
+            self._local.connection = connection
+        return connection
+
+    def _drop_connection(self) -> None:
+        connection = getattr(self._local, "connection", None)
+        if connection is not None:
+            connection.close()
+            self._local.connection = None
+
+    def _request(self, path: str) -> bytes:
+        connection = self._connection()
+        connection.request("GET", self._parsed.path + path)
+        response = connection.getresponse()
+        body = response.read()
+        if response.status != 200:
+            raise AuditError(f"admin {self.base_url} answered {response.status} to {path.split('?')[0]}")
+        return body
 
     def _get(self, path: str) -> bytes:
-        url = self.base_url + path
         try:
-            with urllib.request.urlopen(url, timeout=self.timeout_s) as response:
-                return response.read()
-        except urllib.error.HTTPError as error:
-            raise AuditError(f"admin {self.base_url} answered {error.code} to {path.split('?')[0]}") from None
-        except (OSError, ValueError) as error:
-            reason = getattr(error, "reason", error)
-            raise AuditError(f"admin {self.base_url} unreachable: {reason}") from None
+            return self._request(path)
+        except (OSError, http.client.HTTPException):
+            self._drop_connection()  # a kept-alive connection the server closed meanwhile: once more
+        try:
+            return self._request(path)
+        except (OSError, http.client.HTTPException) as error:
+            self._drop_connection()
+            raise AuditError(f"admin {self.base_url} unreachable: {error or type(error).__name__}") from None
 
     def health(self) -> None:
         self._get("/health")
@@ -90,14 +132,26 @@ class AdminClient:
         """`/get_all_keys`: one key per line (a key holding a newline arrives split)."""
         return self._get("/get_all_keys")
 
-    def query(self, keys: list[str]) -> dict[str, dict]:
-        """`/batch_query_keys`: per key `{"ok", "error", "values": [replica...]}`; grants no lease.
+    def query(self, keys: Iterable[str]) -> dict[str, dict]:
+        """`/batch_query_keys` for any number of keys: per key `{"ok", "error", "values": [replica...]}`.
+        Grants no lease. The master splits on commas even when encoded, so keys holding a comma
+        must not be passed here."""
+        answers: dict[str, dict] = {}
+        chunk: list[str] = []
+        budget = 0
+        for key in keys:
+            encoded = _encoded(key)
+            if chunk and (len(chunk) >= QUERY_KEYS_PER_CALL or budget + len(encoded) + 1 > QUERY_URL_BUDGET):
+                answers.update(self._query_chunk(chunk))
+                chunk, budget = [], 0
+            chunk.append(encoded)
+            budget += len(encoded) + 1
+        if chunk:
+            answers.update(self._query_chunk(chunk))
+        return answers
 
-        Keys are percent-encoded; the master splits on commas even when encoded, so keys holding
-        a comma must not be passed here.
-        """
-        encoded = ",".join(urllib.parse.quote(key, safe="") for key in keys)
-        body = self._get("/batch_query_keys?keys=" + encoded)
+    def _query_chunk(self, encoded: list[str]) -> dict[str, dict]:
+        body = self._get("/batch_query_keys?keys=" + ",".join(encoded))
         try:
             document = json.loads(body)
         except json.JSONDecodeError:

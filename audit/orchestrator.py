@@ -226,22 +226,27 @@ def run_scan(settings: Settings, options: ScanOptions, sink, progress: ScanProgr
     key_filter = options.key_filter()
     checker = options.placement.checker()
     state = StateDir(options.state_dir) if options.state_dir is not None else None
+    closers: list = []  # closing the store takes about a second: after the report is out
     try:
         with _StopOnSigint() as stop:
-            report = _scan(settings, options, sink, progress, key_filter, checker, state, stop)
+            report = _scan(settings, options, sink, progress, key_filter, checker, state, stop, closers)
+        sink.finish(report)
+        if options.prom_file is not None or options.pushgateway is not None:
+            export_metrics(report, options.prom_file, options.pushgateway)
     finally:
         if state is not None:
             state.release()
-    sink.finish(report)
-    if options.prom_file is not None or options.pushgateway is not None:
-        export_metrics(report, options.prom_file, options.pushgateway)
+        for close in closers:
+            close()
     return report
 
 
-def _scan(settings, options, sink, progress, key_filter, checker, state, stop: threading.Event) -> Report:
+def _scan(settings, options, sink, progress, key_filter, checker, state, stop: threading.Event,
+          closers: list) -> Report:
     admin = AdminClient(settings.admin)
     admin.health()
     store = open_store(settings)
+    closers.append(store.close)
     context = {
         "started_at": _now(),
         "cluster": {"master": settings.master, "admin": settings.admin},
@@ -296,7 +301,6 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, stop: t
         context["aborted"] = str(error)
     finally:
         duration_s = time.perf_counter() - started
-        store.close()
         if checkpoint is not None:
             checkpoint.close()
         if state is not None:

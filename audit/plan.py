@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from audit.blocktables import BlockTables
 from audit.errors import AuditError
 from audit.layouts import Layout, LayoutError, select_layout
 from audit.records import KeyInfo
+
+
+_HEX = re.compile(r"[0-9a-fA-F]+")
 
 
 @dataclass
@@ -28,18 +32,22 @@ class CheckPlan:
             seen.add(slot)
 
     def layout_for(self, key: KeyInfo) -> Layout | None:
+        """Keys that differ only in their chunk hash share a layout: parse one key per stem."""
         if not self.layouts:
             return None
-        fields = key.parsed_fields()
-        if fields.get("scheme") != "vllm":
-            return None
-        slot = (fields.get("model"), fields.get("group"))
-        if slot not in self._cache:
+        stem, _, tail = key.name.rpartition("@")
+        if not _HEX.fullmatch(tail):  # not a chunk hash: this key is not vLLM's, or not like its stem's
+            stem = key.name
+        if stem not in self._cache:
+            fields = key.parsed_fields()
+            if fields.get("scheme") != "vllm":
+                return None
             try:
-                self._cache[slot] = select_layout(self.layouts, *slot, self.layout_for_all)
+                self._cache[stem] = select_layout(self.layouts, fields.get("model"), fields.get("group"),
+                                                  self.layout_for_all)
             except LayoutError as error:
                 raise AuditError(str(error)) from None
-        return self._cache[slot]
+        return self._cache[stem]
 
     def table_entry(self, key: KeyInfo):
         return None if self.tables is None else self.tables.get(key.name)

@@ -9,14 +9,12 @@ store client instead (`size_of`).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from audit.connection import AdminClient
 from audit.records import KeyInfo
 
-QUERY_KEYS_PER_CALL = 1000
-QUERY_URL_BUDGET = 48 * 1024      # bytes of percent-encoded keys per `/batch_query_keys` call
 REJOIN_SPAN = 8                   # a key may hold up to this many newlines and still be found
 REJOIN_LIMIT = 1_000              # unknown lines beyond this are reported as vanished, not rejoined
 
@@ -37,20 +35,6 @@ class Listing:
     keys: list[KeyInfo]
     vanished: list[str]
     listed_lines: int
-
-
-def _chunks(keys: list[str]) -> Iterator[list[str]]:
-    chunk: list[str] = []
-    budget = 0
-    for key in keys:
-        cost = len(key.encode()) * 3 + 1
-        if chunk and (len(chunk) >= QUERY_KEYS_PER_CALL or budget + cost > QUERY_URL_BUDGET):
-            yield chunk
-            chunk, budget = [], 0
-        chunk.append(key)
-        budget += cost
-    if chunk:
-        yield chunk
 
 
 def _key_info(name: str, answer: dict) -> KeyInfo | None:
@@ -97,10 +81,9 @@ class AdminListing:
         for name in names:
             (with_comma if "," in name else plain).append(name)
         infos: dict[str, KeyInfo] = {}
-        for chunk in _chunks(plain):
-            for name, answer in self.admin.query(chunk).items():
-                if (info := _key_info(name, answer)) is not None:
-                    infos[name] = info
+        for name, answer in self.admin.query(plain).items():
+            if (info := _key_info(name, answer)) is not None:
+                infos[name] = info
         for name in with_comma:
             size = self.size_of(name) if self.size_of else -1
             if size >= 0:

@@ -197,10 +197,7 @@ def text_table(header: list[str], lines: list[list[str]]) -> str:
 
 
 def state_like(rng: np.random.Generator, nbytes: int) -> np.ndarray:
-    """Every byte of a bf16 state: small normal values (|x| ~ 0.05), no exact zeros to speak of.
-
-    (`audit.workload.state_like_bytes` fills only the first half of its buffer with bf16 values;
-    with a layout its values would be PARTIAL_ZERO.)"""
+    """Every byte of a bf16 state: small normal values (|x| ~ 0.05), no exact zeros to speak of."""
     values = rng.standard_normal((nbytes + 1) // 2, dtype=np.float32) * 0.05
     bf16 = (values.view(np.uint32) >> 16).astype(np.uint16)
     return bf16.view(np.uint8)[:nbytes].copy()

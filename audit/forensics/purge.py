@@ -56,9 +56,6 @@ def targets_from_report(path: Path, verdicts: Iterable[str] = ()) -> list[KeyRec
 def _current_reads(settings: Settings, admin: AdminClient, targets: list[KeyRecord], evidence: EvidenceStore | None):
     """Lease-free reads of the targets: {key: (code, xxh3)}; evidence saved from the buffer."""
     from audit.readers.peek import PeekReader
-    from audit.scan import check_batch
-    from audit.checks.host import HostChecker
-    from audit.plan import CheckPlan
 
     keys = [KeyInfo(name=t.key, size=t.size) for t in targets]
     by_key = {t.key: t for t in targets}

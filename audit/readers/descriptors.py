@@ -10,7 +10,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from audit.connection import AdminClient
-from audit.sources import _chunks as query_chunks
 
 GONE = None  # the master no longer knows the key (OBJECT_NOT_FOUND)
 
@@ -41,12 +40,11 @@ def query_replicas(admin: AdminClient, names: Iterable[str]) -> dict[str, list[R
     """
     askable = [name for name in names if "," not in name]
     found: dict[str, list[Replica] | None] = {}
-    for chunk in query_chunks(askable):
-        for name, answer in admin.query(chunk).items():
-            if answer.get("ok"):
-                found[name] = _memory_replicas(answer)
-            elif answer.get("error") == "OBJECT_NOT_FOUND":
-                found[name] = GONE
-            else:
-                found[name] = []
+    for name, answer in admin.query(askable).items():
+        if answer.get("ok"):
+            found[name] = _memory_replicas(answer)
+        elif answer.get("error") == "OBJECT_NOT_FOUND":
+            found[name] = GONE
+        else:
+            found[name] = []
     return found

@@ -317,7 +317,7 @@ def test_records_rotate_by_size(tmp_path):
     files = sorted(tmp_path.glob("*.jsonl"))
     assert len(files) > 5 and files == writer.paths
     assert all(0 < path.stat().st_size <= 2000 for path in files)
-    assert all(path.name.startswith(f"blocks-") and f"-{os.getpid()}-" in path.name for path in files)
+    assert all(path.name.startswith("blocks-") and f"-{os.getpid()}-" in path.name for path in files)
     tables = read_block_tables([tmp_path])
     assert tables.records == 600 and len(tables.entries) == 600
 

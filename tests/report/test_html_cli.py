@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import re
 
+from tests import test_verdicts
 from tests.helpers import run_cli
-from tests.test_verdicts import workload, _layout_args  # noqa: F401  (the fixture and its CLI options)
+from tests.test_verdicts import _layout_args
+
+workload = test_verdicts.workload  # the fixture: keys with known defects, a tiny Mamba layout, a block table
 
 
-def test_report_command_renders_a_real_scan(cli_args, namespace, workload, tmp_path):  # noqa: F811
+def test_report_command_renders_a_real_scan(cli_args, namespace, workload, tmp_path):
     keys, _, model_dir, table = workload
     scanned, page = tmp_path / "scan.json", tmp_path / "report.html"
     run_cli("scan", *cli_args, "--prefix", namespace.rstrip("/"), *_layout_args(model_dir), "--block-tables",
