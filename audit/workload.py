@@ -1,7 +1,5 @@
-"""Publishing test workloads into a cluster, the way a producer would (demo, tests, benchmarks).
-
-This is the only module that writes to a store, and only to the store it is given: the audit path
-never imports it.
+"""The producer side, for the demo, the simulator, tests and benchmarks: publishing values into
+a cluster the way a producer would. The audit path never imports it; only `purge` removes keys.
 """
 
 from __future__ import annotations
@@ -12,6 +10,7 @@ import numpy as np
 
 from audit.connection import Settings, open_store
 from audit.errors import AuditError
+
 
 class Publisher:
     """A producer-side store client (mounts no segment; the holders keep the bytes)."""
