@@ -16,7 +16,7 @@ from pathlib import Path
 
 from audit.errors import AuditError
 from audit.records import FINDINGS, INCOMPLETE
-from audit.report.inert import printable
+from audit.report.inert import human_bytes, printable
 from audit.report.output import ReportOutput
 
 REPORT_SCHEMA = "mooncake-audit/report"
@@ -82,16 +82,6 @@ def _text(value: object, limit: int = 160) -> str:
     return html.escape(printable(str(value), limit), quote=True)
 
 
-def _bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def _rate(bytes_per_s: int | None) -> str:
     """GB/s, the unit scans are sized in; MB/s for tiny test scans, where GB/s would read 0.000."""
     if not bytes_per_s:
@@ -138,7 +128,7 @@ def _headline(summary: dict) -> list[tuple[str, str]]:
         ("keys scanned", f"{summary.get('keys_scanned', 0):,}"),
         ("keys flagged", f"{summary.get('findings', 0):,}"),
         ("keys unread", f"{summary.get('keys_unread', 0):,}"),
-        ("bytes scanned", _bytes(summary.get("bytes_scanned"))),
+        ("bytes scanned", human_bytes(summary.get("bytes_scanned"))),
         ("duration", f"{summary.get('duration_s', 0):.2f} s"),
         ("throughput", _rate(rate)),
     ]

@@ -3,25 +3,14 @@
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from audit.records import KeyRecord, Report
-from audit.report.inert import inert, printable
-from audit.report.output import ReportOutput
+from audit.report.inert import human_bytes, inert, printable
+from audit.report.output import ReportOutput, WholeReportSink
 
-
-
-def _size(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _verdict_line(summary: dict) -> str:
@@ -39,14 +28,7 @@ def _scope(findings: list[KeyRecord]) -> list[str]:
     return [f"{printable(model, 60)} tp{rank}: {n}" for (model, rank), n in sorted(counts.items(), key=str)]
 
 
-class HumanSink:
-    def __init__(self, output: Path | None, *, include_all: bool = False):
-        self.output = output
-        self.include_all = include_all
-
-    def record(self, record: KeyRecord) -> None:
-        pass
-
+class HumanSink(WholeReportSink):
     def finish(self, report: Report) -> None:
         out = ReportOutput(self.output)
         console = Console(file=out.stream, highlight=False, soft_wrap=False, width=160,
@@ -55,9 +37,9 @@ class HumanSink:
         console.print(_verdict_line(summary), markup=False)
         rate = summary.get("bytes_per_s")
         console.print(
-            f"{summary['keys_scanned']}/{summary['keys_listed']} keys, {_size(summary['bytes_scanned'])} "
-            f"in {summary['duration_s']:.2f} s ({_size(rate)}/s)" if rate else
-            f"{summary['keys_scanned']}/{summary['keys_listed']} keys, {_size(summary['bytes_scanned'])}",
+            f"{summary['keys_scanned']}/{summary['keys_listed']} keys, {human_bytes(summary['bytes_scanned'])} "
+            f"in {summary['duration_s']:.2f} s ({human_bytes(rate)}/s)" if rate else
+            f"{summary['keys_scanned']}/{summary['keys_listed']} keys, {human_bytes(summary['bytes_scanned'])}",
             markup=False)
         if summary["verdicts"]:
             console.print("verdicts: " + ", ".join(f"{v}={n}" for v, n in summary["verdicts"].items()),

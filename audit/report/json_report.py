@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from audit.merge import SCHEMA, SCHEMA_VERSION
-from audit.records import KeyRecord, Report
-from audit.report.output import ReportOutput
+from audit.records import Report
+from audit.report.output import ReportOutput, WholeReportSink
 
 
 def report_document(report: Report, *, include_all: bool) -> dict:
@@ -23,14 +22,7 @@ def report_document(report: Report, *, include_all: bool) -> dict:
     return document
 
 
-class JsonSink:
-    def __init__(self, output: Path | None, *, include_all: bool = False):
-        self.output = output
-        self.include_all = include_all
-
-    def record(self, record: KeyRecord) -> None:
-        pass
-
+class JsonSink(WholeReportSink):
     def finish(self, report: Report) -> None:
         out = ReportOutput(self.output)
         json.dump(report_document(report, include_all=self.include_all), out.stream, indent=1)

@@ -63,3 +63,14 @@ class ReportOutput:
         self.stream.close()
         os.replace(self._temp, self.path)
         self._temp = None
+
+
+class WholeReportSink:
+    """A format written once, from the merged report (nothing to stream per key)."""
+
+    def __init__(self, output: Path | None, *, include_all: bool = False):
+        self.output = output
+        self.include_all = include_all
+
+    def record(self, record) -> None:
+        pass
