@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import urllib.parse
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,23 +132,22 @@ class AdminClient:
         """`/get_all_keys`: one key per line (a key holding a newline arrives split)."""
         return self._get("/get_all_keys")
 
-    def query(self, keys: Iterable[str]) -> dict[str, dict]:
-        """`/batch_query_keys` for any number of keys: per key `{"ok", "error", "values": [replica...]}`.
+    def query(self, keys: Iterable[str]) -> Iterator[tuple[str, dict]]:
+        """`/batch_query_keys` for any number of keys, yielding (key, `{"ok", "error", "values":
+        [replica...]}`) chunk by chunk (half a million answers held at once would cost ~1 GB).
         Grants no lease. The master splits on commas even when encoded, so keys holding a comma
         must not be passed here."""
-        answers: dict[str, dict] = {}
         chunk: list[str] = []
         budget = 0
         for key in keys:
             encoded = _encoded(key)
             if chunk and (len(chunk) >= QUERY_KEYS_PER_CALL or budget + len(encoded) + 1 > QUERY_URL_BUDGET):
-                answers.update(self._query_chunk(chunk))
+                yield from self._query_chunk(chunk).items()
                 chunk, budget = [], 0
             chunk.append(encoded)
             budget += len(encoded) + 1
         if chunk:
-            answers.update(self._query_chunk(chunk))
-        return answers
+            yield from self._query_chunk(chunk).items()
 
     def _query_chunk(self, encoded: list[str]) -> dict[str, dict]:
         body = self._get("/batch_query_keys?keys=" + ",".join(encoded))

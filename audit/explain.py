@@ -30,7 +30,7 @@ def _stats(data: np.ndarray, dtype: str) -> dict | None:
 
 def _size_of(admin: AdminClient, store, key: str) -> int:
     if "," not in key:
-        answer = admin.query([key]).get(key) or {}
+        answer = dict(admin.query([key])).get(key) or {}
         replicas = answer.get("values") or []
         if answer.get("ok") and replicas:
             return int(replicas[0]["size_"])

@@ -81,7 +81,7 @@ class AdminListing:
         for name in names:
             (with_comma if "," in name else plain).append(name)
         infos: dict[str, KeyInfo] = {}
-        for name, answer in self.admin.query(plain).items():
+        for name, answer in self.admin.query(plain):
             if (info := _key_info(name, answer)) is not None:
                 infos[name] = info
         for name in with_comma:

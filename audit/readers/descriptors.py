@@ -40,7 +40,7 @@ def query_replicas(admin: AdminClient, names: Iterable[str]) -> dict[str, list[R
     """
     askable = [name for name in names if "," not in name]
     found: dict[str, list[Replica] | None] = {}
-    for name, answer in admin.query(askable).items():
+    for name, answer in admin.query(askable):
         if answer.get("ok"):
             found[name] = _memory_replicas(answer)
         elif answer.get("error") == "OBJECT_NOT_FOUND":

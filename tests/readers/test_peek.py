@@ -222,11 +222,11 @@ class RacingAdmin:
         self.admin, self.race = admin, race
 
     def query(self, keys):
-        answer = self.admin.query(keys)
+        answer = list(self.admin.query(keys))
         race, self.race = self.race, None
         if race is not None:
             race()
-        return answer
+        return iter(answer)
 
 
 def test_changes_around_the_read_are_moved_or_vanished_never_findings(two_holders):
