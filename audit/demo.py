@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from audit.blocktables import read_block_tables
@@ -26,15 +27,24 @@ DEMO_WORKLOAD = SimulationOptions(requests=2, tokens=2200, block_size=176, tp_si
                                   null_boundaries=(2112,))
 
 
-def _score(report: Report, labels) -> str:
+@dataclass
+class DemoResult:
+    report: Report
+    exact: bool   # the scan flagged exactly the keys the simulator made bad
+    score: str
+
+
+def _score(report: Report, labels) -> DemoResult:
     flagged = {record.key for record in report.records if record.is_finding}
     bad = {label.key for label in labels if label.expected_with_tables}
-    return (f"ground truth: {len(bad)} of {len(labels)} keys are bad; the scan flagged {len(flagged)}, "
-            f"{len(flagged & bad)} of them bad (precision {len(flagged & bad) / max(len(flagged), 1):.2f}, "
-            f"recall {len(flagged & bad) / max(len(bad), 1):.2f})")
+    score = (f"ground truth: {len(bad)} of {len(labels)} keys are bad; the scan flagged {len(flagged)}, "
+             f"{len(flagged & bad)} of them bad (precision {len(flagged & bad) / max(len(flagged), 1):.2f}, "
+             f"recall {len(flagged & bad) / max(len(bad), 1):.2f})")
+    return DemoResult(report, flagged == bad and report.summary["complete"], score)
 
 
-def run_demo(sink, progress: ScanProgress, log: Callable[[str], None]) -> Report:
+def run_demo(sink, progress: ScanProgress, log: Callable[[str], None]) -> DemoResult:
+    """The scan's report, and whether it found exactly the planted bad keys."""
     log("starting an embedded Mooncake cluster on 127.0.0.1 (master + 1 holder)...")
     try:
         with LocalCluster(holders=1, segment_mb=256) as cluster, tempfile.TemporaryDirectory() as work:
@@ -48,7 +58,8 @@ def run_demo(sink, progress: ScanProgress, log: Callable[[str], None]) -> Report
                 f"scanning with the model's layout and the producer's block tables...")
             plan = CheckPlan(layouts=[result.layout], tables=read_block_tables([Path(result.block_tables_path)]))
             report = run_scan(settings, ScanOptions(plan=plan), sink, progress)
-            log(_score(report, result.labels))
-            return report
+            outcome = _score(report, result.labels)
+            log(outcome.score)
+            return outcome
     except ClusterError as error:
         raise AuditError(str(error)) from None
