@@ -71,7 +71,7 @@ class BlockTables:
 
 
 class _Malformed(ValueError):
-    pass
+    """A record that breaks the schema; becomes a file:line error (or a skipped line)."""
 
 
 def _int(record: dict, name: str, default: int | None = None) -> int:

@@ -73,4 +73,4 @@ class WholeReportSink:
         self.include_all = include_all
 
     def record(self, record) -> None:
-        pass
+        """Nothing to write per key: everything is written by `finish`."""
