@@ -20,6 +20,20 @@ from audit.report.inert import printable
 app = typer.Typer(help="Byte-level audit of the values published into Mooncake Store.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
+
+def _version(value: bool) -> None:
+    if value:
+        from audit import __version__
+
+        typer.echo(f"mooncake-audit {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _options(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                   help="Print the version and exit.")] = False) -> None:
+    """Byte-level audit of the values published into Mooncake Store."""
+
 # Connection
 Master = Annotated[Optional[str], typer.Option("--master", envvar="MOONCAKE_AUDIT_MASTER",
                                               help="Master RPC address HOST:PORT.", show_default="127.0.0.1:50051")]

@@ -117,3 +117,10 @@ def test_progress_goes_to_stderr_only_when_asked(publisher, cli_args, namespace)
     shown = run_cli("scan", *cli_args, "--prefix", namespace, "--format", "json", "--progress")
     assert "keys" in shown.stderr
     json.loads(shown.stdout)  # stdout is still the report alone
+
+
+def test_version():
+    from audit import __version__
+
+    result = run_cli("--version")
+    assert result.exit_code == 0 and result.stdout.strip() == f"mooncake-audit {__version__}"
