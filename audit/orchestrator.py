@@ -1,13 +1,13 @@
-"""One command's flow: list keys, scan them, merge the records, hand the report to a sink.
+"""One command's flow: list keys, select, read and check them, merge the records, hand the
+report to a sink and the metrics to Prometheus.
 
-Ctrl-C (SIGINT) stops between batches and still writes the report (marked interrupted); a
-second Ctrl-C aborts at once. A master lost mid-scan stops the scan the same way.
+Ctrl-C, a lost master or a deadline stop the scan between batches (`audit.stops`); the report is
+still written, marked interrupted.
 """
 
 from __future__ import annotations
 
 import re
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +30,7 @@ from audit.scan import scan_keys
 from audit.selection import select_keys
 from audit.sources import AdminListing, KeyFilter
 from audit.statedir import StateDir
+from audit.stops import Deadline, MasterWatch, StopOnSigint
 from audit.throttle import ThrottledReader
 
 
@@ -66,48 +67,6 @@ class ScanOptions:
         return KeyFilter(self.prefix, pattern)
 
 
-class _StopOnSigint:
-    """First Ctrl-C: finish the current batch and write the report. Second: abort."""
-
-    def __init__(self):
-        self.event = threading.Event()
-        self._previous = None
-
-    def __enter__(self) -> threading.Event:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.getsignal(signal.SIGINT)
-            signal.signal(signal.SIGINT, self._handle)
-        return self.event
-
-    def _handle(self, signum, frame) -> None:
-        if self.event.is_set():
-            raise KeyboardInterrupt
-        self.event.set()
-
-    def __exit__(self, *exc_info) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-
-
-class _MasterWatch:
-    """Stops the scan when a whole batch failed and the master no longer answers: without it,
-    every remaining batch would wait out its RPC timeouts against a dead master."""
-
-    def __init__(self, admin: AdminClient, stop: threading.Event):
-        self.admin = admin
-        self.stop = stop
-        self.lost: str | None = None
-
-    def __call__(self, records: list[KeyRecord]) -> None:
-        if not records or any(record.error is None or record.error["code"] == -704 for record in records):
-            return
-        try:
-            self.admin.health()
-        except AuditError as error:
-            self.lost = f"master lost mid-scan ({error})"
-            self.stop.set()
-
-
 def _buffer_bytes(keys: list[KeyInfo], options: ScanOptions) -> int:
     """No more than the scan needs (a small scan should not register 256 MiB); under a bandwidth
     limit, batches of about a quarter second, so the pace is even."""
@@ -136,25 +95,6 @@ def _plan_context(plan: CheckPlan, listed: set[str]) -> dict:
     if plan.tables is not None:
         context["block_tables"] = plan.tables.summary(listed)
     return context
-
-
-class _Deadline:
-    """`--deadline`: stop cleanly between batches once the time is up."""
-
-    def __init__(self, seconds: float | None, stop: threading.Event):
-        self.reached = False
-        self._timer = None if seconds is None else threading.Timer(seconds, self._expire, args=(stop,))
-        if self._timer is not None:
-            self._timer.daemon = True
-            self._timer.start()
-
-    def _expire(self, stop: threading.Event) -> None:
-        self.reached = True
-        stop.set()
-
-    def cancel(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
 
 
 def _select(keys: list[KeyInfo], options: ScanOptions, state: StateDir | None, context: dict) -> list[KeyInfo]:
@@ -192,11 +132,11 @@ def _confirm_shared(records: list[KeyRecord], reader) -> None:
         _confirm(pending, reader.confirm)
 
 
-def _read_all(keys, reader, checker, options: ScanOptions, stop: threading.Event, watch: _MasterWatch,
+def _read_all(keys, reader, checker, options: ScanOptions, stop: threading.Event, watch: MasterWatch,
               checkpoint: Checkpoint | None, evidence: EvidenceStore | None, emit, confirm=None) -> str | None:
     """Scan `keys`, handing each record to `emit`; the reason the scan stopped early, if it did.
     `confirm` (peek reads): findings are read a second time before they are reported."""
-    deadline = _Deadline(options.deadline_s, stop)
+    deadline = Deadline(options.deadline_s, stop)
 
     def after_batch(batch: list[KeyRecord]) -> None:
         findings = [record for record in batch if record.is_finding and record.xxh3 is not None]
@@ -228,7 +168,7 @@ def run_scan(settings: Settings, options: ScanOptions, sink, progress: ScanProgr
     state = StateDir(options.state_dir) if options.state_dir is not None else None
     closers: list = []  # closing the store takes about a second: after the report is out
     try:
-        with _StopOnSigint() as stop:
+        with StopOnSigint() as stop:
             report = _scan(settings, options, sink, progress, key_filter, checker, state, stop, closers)
         sink.finish(report)
         if options.prom_file is not None or options.pushgateway is not None:
@@ -284,7 +224,7 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, stop: t
             progress.advance(1, record.size or 0)
 
         try:
-            reason = _read_all(keys, reader, checker, options, stop, _MasterWatch(admin, stop), checkpoint,
+            reason = _read_all(keys, reader, checker, options, stop, MasterWatch(admin, stop), checkpoint,
                                evidence, emit, getattr(base_reader, "confirm", None))
             if hasattr(base_reader, "confirm"):
                 _confirm_shared(records, base_reader)
