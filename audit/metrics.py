@@ -53,8 +53,21 @@ def report_registry(report: Report, previous_success: float | None) -> Collector
     return registry
 
 
-def export_metrics(report: Report, prom_file: Path | None, pushgateway: str | None, job: str = "mooncake_audit") -> None:
-    registry = report_registry(report, _previous_success(prom_file))
+def failure_registry(previous_success: float | None) -> CollectorRegistry:
+    """A run that could not start (exit 2): say so, and keep the last success where it was."""
+    registry = CollectorRegistry()
+    Gauge("mooncake_audit_complete", "1 if the last run read every selected key.", registry=registry).set(0)
+    Gauge("mooncake_audit_exit_code", "Exit code of the last run.", registry=registry).set(2)
+    if previous_success is not None:
+        Gauge(LAST_SUCCESS, "When a run last read every selected key.", registry=registry).set(previous_success)
+    return registry
+
+
+def export_metrics(report: Report | None, prom_file: Path | None, pushgateway: str | None,
+                   job: str = "mooncake_audit") -> None:
+    """The run's metrics; `report` None: the run could not start."""
+    previous = _previous_success(prom_file)
+    registry = failure_registry(previous) if report is None else report_registry(report, previous)
     try:
         if prom_file is not None:
             write_to_textfile(str(prom_file), registry)

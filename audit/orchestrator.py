@@ -167,12 +167,17 @@ def run_scan(settings: Settings, options: ScanOptions, sink, progress: ScanProgr
     checker = options.placement.checker()
     state = StateDir(options.state_dir) if options.state_dir is not None else None
     closers: list = []  # closing the store takes about a second: after the report is out
+    exporting = options.prom_file is not None or options.pushgateway is not None
     try:
         with StopOnSigint() as stop:
             report = _scan(settings, options, sink, progress, key_filter, checker, state, stop, closers)
         sink.finish(report)
-        if options.prom_file is not None or options.pushgateway is not None:
+        if exporting:
             export_metrics(report, options.prom_file, options.pushgateway)
+    except AuditError:
+        if exporting:
+            export_metrics(None, options.prom_file, options.pushgateway)
+        raise
     finally:
         if state is not None:
             state.release()

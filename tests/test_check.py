@@ -199,3 +199,18 @@ def test_peek_reads_confirm_findings_and_report_replica_digests(publisher, cli_a
     assert record["evidence"]["confirmation"]["status"] == "confirmed"
     assert [row["status"] for row in record["evidence"]["replicas"]] == ["ok"]
     assert record["evidence"]["replicas"][0]["xxh3"] == record["xxh3"]
+
+
+def test_a_run_that_cannot_start_says_so_in_the_prom_file(publisher, cli_args, namespace, tmp_path):
+    from audit.cluster import free_port
+
+    publisher.put(namespace + "k", b"\x01" * 100)
+    prom = tmp_path / "audit.prom"
+    assert _check(cli_args, namespace, "--prom-file", str(prom))[0] == 0
+    success = _metrics(prom)["mooncake_audit_last_success_timestamp_seconds"]
+    dead = f"127.0.0.1:{free_port()}"
+    result = run_cli("check", "--master", dead, "--admin", f"http://{dead}", "--prom-file", str(prom))
+    assert result.exit_code == 2
+    after = _metrics(prom)
+    assert after["mooncake_audit_exit_code"] == 2 and after["mooncake_audit_complete"] == 0
+    assert after["mooncake_audit_last_success_timestamp_seconds"] == success
