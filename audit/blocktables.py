@@ -30,6 +30,7 @@ class BlockTableEntry:
     block_ids: tuple[int, ...]
     sources: list[str] = field(default_factory=list)  # "file:line" of every record naming the key
     req_ids: list[str] = field(default_factory=list)
+    boundary: int | None = None  # tokens up to the end of this chunk (per-request records with block_size)
 
     @property
     def null_backed(self) -> bool:
@@ -47,10 +48,11 @@ class BlockTables:
     def get(self, key: str) -> BlockTableEntry | None:
         return self.entries.get(key)
 
-    def add(self, key: str, block_ids: tuple[int, ...], source: str, req_id: str | None) -> None:
+    def add(self, key: str, block_ids: tuple[int, ...], source: str, req_id: str | None,
+            boundary: int | None = None) -> None:
         entry = self.entries.get(key)
         if entry is None:
-            entry = self.entries[key] = BlockTableEntry(key, block_ids)
+            entry = self.entries[key] = BlockTableEntry(key, block_ids, boundary=boundary)
         elif NULL_BLOCK_ID in block_ids and not entry.null_backed:
             entry.block_ids = block_ids  # any record mapping the key to the null block is evidence
         entry.sources.append(source)
@@ -95,12 +97,12 @@ def _unresolved(record: dict) -> bool:
     return "key" in record and "block_ids" in record and record["block_ids"] is None
 
 
-def _expand(record: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """(key, block ids) for every entry of one record, either shape."""
+def _expand(record: dict) -> Iterator[tuple[str, tuple[int, ...], int | None]]:
+    """(key, block ids, token boundary if known) for every entry of one record, either shape."""
     if "key" in record:
         if not isinstance(record["key"], str):
             raise _Malformed("'key' must be a string")
-        yield record["key"], _block_ids(record)
+        yield record["key"], _block_ids(record), None
         return
     if "chunk_hashes" not in record:
         raise _Malformed("a record needs 'key' (per key) or 'chunk_hashes' (per request)")
@@ -114,10 +116,13 @@ def _expand(record: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
     parts = dict(tp_rank=_int(record, "tp_rank", 0), pcp=_int(record, "pcp", 0), dcp=_int(record, "dcp", 0),
                  pp_rank=_int(record, "pp_rank", 0), group=None if group is None else _int(record, "group"),
                  cache_prefix=str(record.get("cache_prefix") or ""))
-    for chunk_hash, block_id in zip(hashes, ids):
+    block_size = _int(record, "block_size") if record.get("block_size") is not None else None
+    for index, (chunk_hash, block_id) in enumerate(zip(hashes, ids)):
         if not isinstance(chunk_hash, str):
             raise _Malformed("'chunk_hashes' must hold strings")
-        yield vllm_key(Path(model).name, chunk_hash, **parts), (_int({"block_ids[]": block_id}, "block_ids[]"),)
+        boundary = None if block_size is None else (index + 1) * block_size
+        yield (vllm_key(Path(model).name, chunk_hash, **parts), (_int({"block_ids[]": block_id}, "block_ids[]"),),
+               boundary)
 
 
 def _files(paths: Iterable[Path]) -> Iterator[Path]:
@@ -163,8 +168,8 @@ def read_block_tables(paths: Iterable[Path], *, lenient: bool = False) -> BlockT
                         continue
                     tables.records += 1
                     req_id = record.get("req_id")
-                    for key, block_ids in entries:
-                        tables.add(key, block_ids, source, None if req_id is None else str(req_id))
+                    for key, block_ids, boundary in entries:
+                        tables.add(key, block_ids, source, None if req_id is None else str(req_id), boundary)
             except UnicodeDecodeError:
                 raise AuditError(f"block table {path} is not UTF-8 text") from None
     return tables

@@ -109,6 +109,8 @@ def apply_block_table(record: KeyRecord, table: BlockTableEntry | None) -> None:
         return
     record.evidence["block_table"] = {"block_ids": list(table.block_ids[:64]), "sources": table.sources[:3],
                                       "req_ids": table.req_ids[:3]}
+    if table.boundary is not None:
+        record.evidence["block_table"]["boundary_tokens"] = table.boundary
     if table.null_backed:
         record.verdicts.insert(0, Verdict.NULL_BACKED)
         state_zero = Verdict.ZERO_STATE in record.verdicts or Verdict.ZERO_VALUE in record.verdicts

@@ -24,6 +24,7 @@ def test_per_request_records_expand_to_vllm_keys(tmp_path):
     keys = [vllm_key("mamba-130m-hf", h, tp_rank=1) for h in ("aa", "bb", "cc")]
     assert sorted(tables.entries) == sorted(keys)
     assert [tables.get(k).null_backed for k in keys] == [False, True, False]
+    assert [tables.get(k).boundary for k in keys] == [528, 1056, 1584]  # tokens up to the chunk's end
     assert tables.get(keys[1]).sources == [f"{table}:1"] and tables.get(keys[1]).req_ids == ["r1"]
 
 

@@ -57,6 +57,9 @@ def test_every_labelled_key_gets_its_verdicts(publisher, cli_args, namespace, tm
     assert wrong == {} and (precision, recall) == (1.0, 1.0)
     null_keys = {label.key for label in result.labels if label.null_backed}
     assert {r["key"] for r in with_tables["keys"] if "NULL_BACKED" in r["verdicts"]} == null_keys
+    records = by_key(with_tables)
+    assert all(records[label.key]["evidence"]["block_table"]["boundary_tokens"] == label.boundary
+               for label in result.labels)
     if extra.get("null_boundaries"):
         boundaries = {label.boundary for label in result.labels if label.null_backed}
         assert {2112, 2960, 3024} <= boundaries

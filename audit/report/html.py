@@ -348,9 +348,20 @@ def _scope_counts(findings: list[dict]) -> tuple[list[tuple[str, int]], list[tup
     return [(order[-1], n) for order, n in sorted(ranks.items())], groups.most_common()
 
 
-def _boundary_note(summary: dict) -> str:
-    """Why there is no by-boundary chart: keys name a chunk hash, not a token count, and the
-    block-table evidence names requests and source lines, not positions. Nothing is guessed."""
+def _boundary_counts(findings: list[dict]) -> list[tuple[str, int]]:
+    """Flagged keys per token boundary, where per-request block tables gave one (never guessed)."""
+    counts = Counter(((r.get("evidence") or {}).get("block_table") or {}).get("boundary_tokens") for r in findings)
+    counts.pop(None, None)
+    return [(f"{boundary:,} tokens", n) for boundary, n in sorted(counts.items())]
+
+
+def _boundary_note(summary: dict, known: int, flagged: int) -> str:
+    """Why some or all findings have no boundary: keys name a chunk hash, not a token count; only
+    per-request block tables (with block_size) give positions. Nothing is guessed."""
+    if known:
+        rest = flagged - known
+        return ("Findings by boundary (token count) from per-request block tables"
+                + (f"; {rest:,} flagged keys have no known boundary." if rest else "."))
     if not summary.get("block_tables"):
         return ("Findings by boundary (token count): boundary unknown without block tables. A key names a chunk "
                 "hash, not a token position.")
@@ -372,7 +383,13 @@ def _charts_section(summary: dict, findings: list[dict]) -> str:
         charts.append(_bar_chart("Flagged keys by model / group",
                                  [(label, n, COUNT_BAR_COLOUR) for label, n in groups[:CHART_MAX_BARS]],
                                  "group-chart"))
-    notes = [f'<p class="note">{_boundary_note(summary)}</p>']
+    boundaries = _boundary_counts(findings)
+    if boundaries:
+        charts.append(_bar_chart("Flagged keys by boundary",
+                                 [(label, n, COUNT_BAR_COLOUR) for label, n in boundaries[:CHART_MAX_BARS]],
+                                 "boundary-chart"))
+    known = sum(n for _, n in boundaries)
+    notes = [f'<p class="note">{_boundary_note(summary, known, len(findings))}</p>']
     if len(groups) > CHART_MAX_BARS:
         notes.append(f'<p class="note">Model/group chart: the {CHART_MAX_BARS} largest of {len(groups):,} '
                      f"groups.</p>")

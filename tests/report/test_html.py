@@ -292,6 +292,16 @@ def test_charts_count_verdicts_ranks_and_groups_and_never_invent_boundaries():
     assert "boundary unknown without block tables" in without_tables
 
 
+def test_boundaries_from_per_request_block_tables_are_charted():
+    findings = [zero_state_record(0, i) for i in range(1, 5)]
+    for finding, boundary in zip(findings[:3], (2112, 2112, 3024)):
+        finding["evidence"]["block_table"] = {"block_ids": [0], "sources": ["t.jsonl:1"], "req_ids": ["r1"],
+                                              "boundary_tokens": boundary}
+    page = Page(render_html(report(findings, block_tables=True)))
+    assert list(page.bars("boundary-chart").items()) == [("2,112 tokens", 2), ("3,024 tokens", 1)]
+    assert "1 flagged keys have no known boundary" in "".join(page.text)
+
+
 def test_findings_table_lists_every_finding_with_its_evidence():
     findings = [zero_state_record(0, 1), record("opaque/short", ["SIZE_MISMATCH"],
                                                  evidence={"size_mismatch": {"expected": 768, "actual": 5}}, size=5)]
