@@ -95,6 +95,30 @@ ShowProgress = Annotated[Optional[bool], typer.Option("--progress/--no-progress"
                                                      help="Progress on stderr.", show_default="on a terminal")]
 
 
+# Cron, resumption, evidence
+ReadMode = Annotated[str, typer.Option("--read-mode", envvar="MOONCAKE_AUDIT_READ_MODE",
+                                      help="lease (batch_get_into) or peek (lease-free raw reads of every replica).")]
+Sample = Annotated[Optional[str], typer.Option("--sample", envvar="MOONCAKE_AUDIT_SAMPLE",
+                                               help="Read N keys, or a fraction (0.05) of them, chosen by --seed.")]
+Seed = Annotated[int, typer.Option("--seed", envvar="MOONCAKE_AUDIT_SEED", help="Sampling seed.")]
+StateDirOpt = Annotated[Optional[Path], typer.Option("--state-dir", envvar="MOONCAKE_AUDIT_STATE_DIR",
+                                                     help="Lock against overlapping runs; remembers keys seen, "
+                                                          "so a sampled run also reads every new key.")]
+Deadline = Annotated[Optional[float], typer.Option("--deadline", envvar="MOONCAKE_AUDIT_DEADLINE", min=0.001,
+                                                   help="Stop cleanly after this many seconds.")]
+MaxBandwidth = Annotated[Optional[float], typer.Option("--max-bandwidth", envvar="MOONCAKE_AUDIT_MAX_BANDWIDTH",
+                                                       min=1, help="Read at most this many bytes per second.")]
+CheckpointOpt = Annotated[Optional[Path], typer.Option("--checkpoint", envvar="MOONCAKE_AUDIT_CHECKPOINT",
+                                                       help="Record progress here (JSONL), for --resume.")]
+Resume = Annotated[bool, typer.Option("--resume", help="Continue the scan recorded in --checkpoint.")]
+PromFile = Annotated[Optional[Path], typer.Option("--prom-file", envvar="MOONCAKE_AUDIT_PROM_FILE",
+                                                  help="node_exporter textfile to write (atomically).")]
+EvidenceDir = Annotated[Optional[Path], typer.Option("--evidence", envvar="MOONCAKE_AUDIT_EVIDENCE",
+                                                     help="Save flagged keys' bytes and a JSON sidecar here (0700).")]
+Pushgateway = Annotated[Optional[str], typer.Option("--pushgateway", envvar="MOONCAKE_AUDIT_PUSHGATEWAY",
+                                                    help="Prometheus Pushgateway URL.")]
+
+
 def fail(message: str, code: int = 2) -> typer.Exit:
     """One line on stderr, no traceback."""
     typer.echo(f"mooncake-audit: error: {printable(message, 400)}", err=True)
@@ -123,29 +147,6 @@ def _plan(model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv
                            conv_layout=conv_layout)
     tables = read_block_tables(block_tables, lenient=lenient) if block_tables else None
     return CheckPlan(layouts=layouts, layout_for_all=layout_for_all, tables=tables, keep_regions=include_all)
-
-
-ReadMode = Annotated[str, typer.Option("--read-mode", envvar="MOONCAKE_AUDIT_READ_MODE",
-                                      help="lease (batch_get_into) or peek (lease-free raw reads of every replica).")]
-Sample = Annotated[Optional[str], typer.Option("--sample", envvar="MOONCAKE_AUDIT_SAMPLE",
-                                               help="Read N keys, or a fraction (0.05) of them, chosen by --seed.")]
-Seed = Annotated[int, typer.Option("--seed", envvar="MOONCAKE_AUDIT_SEED", help="Sampling seed.")]
-StateDirOpt = Annotated[Optional[Path], typer.Option("--state-dir", envvar="MOONCAKE_AUDIT_STATE_DIR",
-                                                     help="Lock against overlapping runs; remembers keys seen, "
-                                                          "so a sampled run also reads every new key.")]
-Deadline = Annotated[Optional[float], typer.Option("--deadline", envvar="MOONCAKE_AUDIT_DEADLINE", min=0.001,
-                                                   help="Stop cleanly after this many seconds.")]
-MaxBandwidth = Annotated[Optional[float], typer.Option("--max-bandwidth", envvar="MOONCAKE_AUDIT_MAX_BANDWIDTH",
-                                                       min=1, help="Read at most this many bytes per second.")]
-CheckpointOpt = Annotated[Optional[Path], typer.Option("--checkpoint", envvar="MOONCAKE_AUDIT_CHECKPOINT",
-                                                       help="Record progress here (JSONL), for --resume.")]
-Resume = Annotated[bool, typer.Option("--resume", help="Continue the scan recorded in --checkpoint.")]
-PromFile = Annotated[Optional[Path], typer.Option("--prom-file", envvar="MOONCAKE_AUDIT_PROM_FILE",
-                                                  help="node_exporter textfile to write (atomically).")]
-EvidenceDir = Annotated[Optional[Path], typer.Option("--evidence", envvar="MOONCAKE_AUDIT_EVIDENCE",
-                                                     help="Save flagged keys' bytes and a JSON sidecar here (0700).")]
-Pushgateway = Annotated[Optional[str], typer.Option("--pushgateway", envvar="MOONCAKE_AUDIT_PUSHGATEWAY",
-                                                    help="Prometheus Pushgateway URL.")]
 
 
 def _scan_report(connection: tuple, plan_args: tuple, include_all: bool, progress, sink, **scan_options):
