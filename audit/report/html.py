@@ -361,7 +361,7 @@ def _boundary_note(summary: dict, known: int, flagged: int) -> str:
     if known:
         rest = flagged - known
         return ("Findings by boundary (token count) from per-request block tables"
-                + (f"; {rest:,} flagged keys have no known boundary." if rest else "."))
+                + (f"; flagged keys with no known boundary: {rest:,}." if rest else "."))
     if not summary.get("block_tables"):
         return ("Findings by boundary (token count): boundary unknown without block tables. A key names a chunk "
                 "hash, not a token position.")

@@ -299,7 +299,7 @@ def test_boundaries_from_per_request_block_tables_are_charted():
                                               "boundary_tokens": boundary}
     page = Page(render_html(report(findings, block_tables=True)))
     assert list(page.bars("boundary-chart").items()) == [("2,112 tokens", 2), ("3,024 tokens", 1)]
-    assert "1 flagged keys have no known boundary" in "".join(page.text)
+    assert "flagged keys with no known boundary: 1." in "".join(page.text)
 
 
 def test_findings_table_lists_every_finding_with_its_evidence():
