@@ -175,12 +175,24 @@ def local_address_towards(master: str) -> str:
         return "127.0.0.1"
 
 
+def _reachable(master: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds on a wrong --master: the client's own setup retries for about 90 s."""
+    host, _, port = master.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except ValueError:
+        raise AuditError(f"--master must be HOST:PORT, not {master!r}") from None
+    except OSError as error:
+        raise AuditError(f"master {master} unreachable: {error.strerror or error}") from None
+
+
 def open_store(settings: Settings, local_buffer_mb: int = 16):
     """A `MooncakeDistributedStore` client that mounts no segment (global_segment_size=0)."""
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as error:
         raise AuditError(f"the Mooncake client is not importable ({error}); see docs/quickstart.md") from None
+    _reachable(settings.master)
     store = MooncakeDistributedStore()
     hostname = settings.local_hostname or local_address_towards(settings.master)
     with native_stderr_captured() as captured:
@@ -188,8 +200,8 @@ def open_store(settings: Settings, local_buffer_mb: int = 16):
                          settings.device_name, settings.master)
     if rc != 0:
         last = captured.last_line()
-        raise AuditError(f"cannot connect to master {settings.master} (setup returned {rc})"
-                         + (f": {last}" if last else ""))
+        raise AuditError(f"cannot set up the Mooncake client (master {settings.master}, metadata "
+                         f"{settings.metadata}, setup returned {rc})" + (f": {last}" if last else ""))
     return store
 
 

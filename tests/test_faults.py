@@ -78,3 +78,11 @@ def test_holder_killed_mid_scan_gives_unreachable_and_exit_3(tmp_path):
     assert report.summary["findings"] == 0
     # Every key held by the surviving holder was read.
     assert report.summary["keys_scanned"] + sum(verdicts.values()) == 200
+
+
+def test_wrong_master_port_with_a_live_admin_is_a_clean_error(cluster):
+    wrong = f"127.0.0.1:{free_port()}"
+    result = run_cli("scan", "--master", wrong, "--admin", cluster.admin_url, "--metadata", cluster.metadata_url,
+                     "--no-progress")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"mooncake-audit: error: master {wrong} unreachable: Connection refused"
