@@ -186,12 +186,12 @@ class LocalCluster:
 
 
 def _terminate(process: subprocess.Popen, sig: int, grace_s: float = 10.0) -> None:
-    if process.poll() is None:
-        try:
-            os.kill(process.pid, sig)
-            process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        except ProcessLookupError:
-            pass
+    """Signal, wait, then SIGKILL; a process that already exited is simply reaped."""
+    if process.poll() is not None:
+        return
+    try:
+        process.send_signal(sig)
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

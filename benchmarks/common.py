@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
@@ -104,12 +105,10 @@ def cpu_seconds(pids: list[int]) -> float:
     """User + system CPU seconds of other processes so far (Linux /proc), 0 where unreadable."""
     total = 0.0
     for pid in pids:
-        try:
+        with contextlib.suppress(OSError, IndexError, ValueError):  # a process gone meanwhile counts 0
             with open(f"/proc/{pid}/stat") as handle:
                 fields_ = handle.read().rsplit(")", 1)[1].split()
             total += (int(fields_[11]) + int(fields_[12])) / _TICK  # utime, stime
-        except (OSError, IndexError, ValueError):
-            pass
     return total
 
 
@@ -118,25 +117,20 @@ def own_cpu_seconds() -> float:
     return usage.user + usage.system
 
 
+def _proc_line_value(path: str, prefix: str, parse):
+    """`parse` of the first line of a /proc file starting with `prefix`; None where unreadable."""
+    with contextlib.suppress(OSError):
+        with open(path) as handle:
+            for line in handle:
+                if line.startswith(prefix):
+                    return parse(line)
+    return None
+
+
 def machine() -> dict:
     model = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    mem_gib = None
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemTotal:"):
-                    mem_gib = int(line.split()[1]) / (1 << 20)
-                    break
-    except OSError:
-        pass
+    model = _proc_line_value("/proc/cpuinfo", "model name", lambda line: line.split(":", 1)[1].strip()) or model
+    mem_gib = _proc_line_value("/proc/meminfo", "MemTotal:", lambda line: int(line.split()[1]) / (1 << 20))
     import xxhash
     try:
         from importlib.metadata import version

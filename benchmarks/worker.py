@@ -11,6 +11,7 @@ Prints one JSON object on stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -25,13 +26,11 @@ def _rss_mib() -> float:
     Not `ru_maxrss`: Linux carries the parent's peak across fork+exec into the child's
     `ru_maxrss`, so a worker started by a benchmark holding a 256 MiB buffer would report at
     least that. VmHWM belongs to the address space that exec created."""
-    try:
+    with contextlib.suppress(OSError):  # not Linux: fall back to ru_maxrss below
         with open("/proc/self/status") as handle:
             for line in handle:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) / 1024
-    except OSError:
-        pass
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -118,7 +118,7 @@ class RecordWriter:
             try:
                 self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
             except FileExistsError:
-                pass
+                continue  # left by an earlier process with this pid: the next sequence number
         self._size = 0
         self._paths.append(path)
         while self.keep_files and len(self._paths) > self.keep_files:

@@ -140,9 +140,8 @@ def test_confirming_each_batch_while_the_next_is_read(two_holders):
     statuses = []
     peek = two_holders.peek(buffer_bytes=2 << 20)  # several batches
     try:
-        for _ in scan_keys(two_holders.listed("confirm/"), peek, HostChecker(),
-                           on_batch=lambda records: statuses.extend(c.status for c in peek.confirm(records).values())):
-            pass
+        list(scan_keys(two_holders.listed("confirm/"), peek, HostChecker(),
+                       on_batch=lambda records: statuses.extend(c.status for c in peek.confirm(records).values())))
     finally:
         peek.close()
     assert statuses == ["confirmed"] * 40
