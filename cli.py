@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -155,7 +156,8 @@ def _scan_report(connection: tuple, plan_args: tuple, include_all: bool, progres
     from audit.orchestrator import ScanOptions, run_scan
     from audit.selection import parse_sample
 
-    scan_options["placement"] = resolve_placement(scan_options.pop("device"), scan_options.pop("checker"))
+    scan_options["placement"] = resolve_placement(scan_options.pop("device"), scan_options.pop("checker"),
+                                                  scan_options.get("read_mode", "lease"))
     scan_options["sample"] = parse_sample(scan_options.get("sample"))
     settings = _settings(*connection)
     plan = _plan(*plan_args, include_all)
@@ -528,9 +530,15 @@ def demo(
     raise typer.Exit(0 if outcome.exact else 1)
 
 
+def _terminate(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     # Mooncake's C++ client logs every connection step at INFO on stderr; keep stderr for us.
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    # SIGTERM ends a command as Ctrl-C does; scans stop between batches and write their report instead.
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         app()
     except KeyboardInterrupt:

@@ -1,7 +1,9 @@
 """Where fetched values land and which checker reads them: `--device` and `--checker`.
 
-auto: cuda when torch sees a GPU *and* the CUDA build of the Mooncake client is installed (the
-non-CUDA build cannot register GPU memory), else cpu. The checker follows the device unless asked:
+auto: cpu for lease-free peek reads (they land in host memory); otherwise cuda when the CUDA build of
+the Mooncake client is installed (the non-CUDA build cannot register GPU memory) *and* torch sees a
+GPU, else cpu. The wheel is checked first: it is a metadata lookup, while importing torch costs
+seconds that a cron run on a CPU host should never pay. The checker follows the device unless asked:
 numpy on cpu, triton on cuda; triton on cpu runs the kernel under the Triton interpreter.
 """
 
@@ -56,14 +58,16 @@ class Placement:
                              f"pip install 'mooncake-audit[kernels]'") from None
 
 
-def resolve_placement(device: str = "auto", checker: str | None = None) -> Placement:
+def resolve_placement(device: str = "auto", checker: str | None = None, read_mode: str = "lease") -> Placement:
     if device not in DEVICES:
         raise AuditError(f"--device must be one of {', '.join(DEVICES)}, not {device!r}")
     if checker is not None and checker not in CHECKERS:
         raise AuditError(f"--checker must be one of {', '.join(CHECKERS)}, not {checker!r}")
     if device == "auto":
-        device = "cuda" if _gpu_visible() and _mooncake_has_cuda() else "cpu"
+        device = "cuda" if read_mode == "lease" and _mooncake_has_cuda() and _gpu_visible() else "cpu"
     elif device == "cuda":
+        if read_mode == "peek":
+            raise AuditError("--read-mode peek reads into host memory: use it with --device cpu (or auto)")
         if not _gpu_visible():
             raise AuditError("--device cuda: torch sees no CUDA GPU")
         if not _mooncake_has_cuda():

@@ -1,8 +1,8 @@
 """One command's flow: list keys, select, read and check them, merge the records, hand the
 report to a sink and the metrics to Prometheus.
 
-Ctrl-C, a lost master or a deadline stop the scan between batches (`audit.stops`); the report is
-still written, marked interrupted.
+Ctrl-C, SIGTERM, a lost master or a deadline stop the scan between batches (`audit.stops`); the
+report, the checkpoint and the metrics are still written, marked interrupted (exit 3).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from audit.scan import scan_keys
 from audit.selection import select_keys
 from audit.sources import AdminListing, KeyFilter
 from audit.statedir import StateDir
-from audit.stops import Deadline, MasterWatch, StopOnSigint
+from audit.stops import Deadline, MasterWatch, StopOnSignals
 from audit.throttle import ThrottledReader
 
 
@@ -169,8 +169,9 @@ def run_scan(settings: Settings, options: ScanOptions, sink, progress: ScanProgr
     closers: list = []  # closing the store takes about a second: after the report is out
     exporting = options.prom_file is not None or options.pushgateway is not None
     try:
-        with StopOnSigint() as stop:
-            report = _scan(settings, options, sink, progress, key_filter, checker, state, stop, closers)
+        signals = StopOnSignals()
+        with signals:
+            report = _scan(settings, options, sink, progress, key_filter, checker, state, signals, closers)
         sink.finish(report)
         if exporting:
             export_metrics(report, options.prom_file, options.pushgateway)
@@ -186,8 +187,9 @@ def run_scan(settings: Settings, options: ScanOptions, sink, progress: ScanProgr
     return report
 
 
-def _scan(settings, options, sink, progress, key_filter, checker, state, stop: threading.Event,
+def _scan(settings, options, sink, progress, key_filter, checker, state, signals: StopOnSignals,
           closers: list) -> Report:
+    stop = signals.event
     admin = AdminClient(settings.admin)
     admin.health()
     store = open_store(settings)
@@ -237,6 +239,7 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, stop: t
             progress.stop()
             reader.close()
         interrupted = stop.is_set()
+        reason = reason or (f"{signals.received} received" if signals.received else None)
         if reason:
             context["aborted"] = reason
     except AuditError as error:

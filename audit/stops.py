@@ -1,4 +1,4 @@
-"""Why a scan stops early, cleanly, between batches: Ctrl-C, a lost master, a deadline.
+"""Why a scan stops early, cleanly, between batches: Ctrl-C or SIGTERM, a lost master, a deadline.
 
 Each sets the same `threading.Event` the scan core checks between batches, so every early stop
 ends the same way: the records so far are merged and the report is written.
@@ -14,27 +14,35 @@ from audit.errors import AuditError
 from audit.records import KeyRecord
 
 
-class StopOnSigint:
-    """First Ctrl-C: finish the current batch and write the report. Second: abort."""
+class StopOnSignals:
+    """SIGINT (Ctrl-C) or SIGTERM (systemd stop, Kubernetes, `timeout`): finish the current batch and
+    write the report. A second signal does not wait: Ctrl-C raises KeyboardInterrupt, and SIGTERM
+    falls back to its default action, which ends the process even inside a blocking read."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.event = threading.Event()
-        self._previous = None
+        self.received: str | None = None
+        self._previous: dict = {}
 
     def __enter__(self) -> threading.Event:
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.getsignal(signal.SIGINT)
-            signal.signal(signal.SIGINT, self._handle)
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.getsignal(signum)
+                signal.signal(signum, self._handle)
         return self.event
 
     def _handle(self, signum, frame) -> None:
-        if self.event.is_set():
+        if self.received is not None:
             raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
         self.event.set()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def __exit__(self, *exc_info) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
 
 
 class MasterWatch:

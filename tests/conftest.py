@@ -1,7 +1,8 @@
 """Fixtures: a real Mooncake cluster (master + holders) on loopback, torn down by PID.
 
 Only the GPU is faked: without CUDA, Triton kernels run under the interpreter, which must be
-switched on before any kernel module is imported.
+switched on before any kernel module is imported. On a GPU host they are compiled for it (set
+TRITON_INTERPRET=1 to run the interpreted path there too).
 """
 
 from __future__ import annotations
@@ -9,7 +10,15 @@ from __future__ import annotations
 import itertools
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+
+def _gpu_host() -> bool:
+    from audit.device import _gpu_visible, _mooncake_has_cuda
+
+    return _mooncake_has_cuda() and _gpu_visible()
+
+
+if "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "0" if _gpu_host() else "1"
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 import pytest  # noqa: E402

@@ -1,5 +1,5 @@
 """`check`, the cron health check, on a real cluster: sampling, new keys, deadline, throttle,
-lock, metrics, and resumable scans interrupted by a real SIGINT."""
+lock, metrics, and resumable scans interrupted by a real SIGINT or SIGTERM."""
 
 from __future__ import annotations
 
@@ -139,20 +139,32 @@ def _cli_process(*args):
                             cwd=os.path.dirname(os.path.dirname(__file__)))
 
 
-def test_resume_after_sigint_reads_each_key_once(publisher, cli_args, namespace, tmp_path):
-    _put_many(publisher, namespace, 60, size=50_000)  # 3 MB, read at 1 MB/s
-    checkpoint, first_report = tmp_path / "scan.ckpt", tmp_path / "first.jsonl"
-    interrupted = _cli_process("check", *cli_args, "--prefix", namespace, "--max-bandwidth", "1000000",
-                               "--checkpoint", str(checkpoint), "--format", "jsonl", "--output", str(first_report),
-                               "--no-progress")
+def _interrupted_check(cli_args, namespace, tmp_path):
+    """A throttled check (3 MB at 1 MB/s), once a few batches are checkpointed."""
+    checkpoint = tmp_path / "scan.ckpt"
+    process = _cli_process("check", *cli_args, "--prefix", namespace, "--max-bandwidth", "1000000",
+                           "--checkpoint", str(checkpoint), "--format", "jsonl", "--output",
+                           str(tmp_path / "first.jsonl"), "--prom-file", str(tmp_path / "audit.prom"),
+                           "--no-progress")
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and (not checkpoint.exists() or checkpoint.read_text().count("\n") < 5):
-        time.sleep(0.05)  # SIGINT once a few batches are checkpointed
-    interrupted.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+    return process, checkpoint
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_resume_after_a_signal_reads_each_key_once(publisher, cli_args, namespace, tmp_path, signum):
+    _put_many(publisher, namespace, 60, size=50_000)
+    interrupted, checkpoint = _interrupted_check(cli_args, namespace, tmp_path)
+    interrupted.send_signal(signum)
     assert interrupted.wait(timeout=30) == 3
-    first = [json.loads(line) for line in first_report.read_text().splitlines()]
+    first = [json.loads(line) for line in (tmp_path / "first.jsonl").read_text().splitlines()]
     first_keys = {line["key"] for line in first if line["type"] == "key"}
     assert first[-1]["type"] == "summary" and first[-1]["interrupted"] is True and 0 < len(first_keys) < 60
+    assert first[-1]["aborted"] == f"{signum.name} received"
+    metrics = (tmp_path / "audit.prom").read_text()
+    assert f"mooncake_audit_keys_scanned {float(len(first_keys))}" in metrics
+    assert "mooncake_audit_exit_code 3.0" in metrics
 
     result = run_cli("check", *cli_args, "--prefix", namespace, "--checkpoint", str(checkpoint), "--resume",
                      "--format", "jsonl", "--no-progress")
@@ -162,6 +174,15 @@ def test_resume_after_sigint_reads_each_key_once(publisher, cli_args, namespace,
     assert first_keys.isdisjoint(second_keys) and len(first_keys) + len(second_keys) == 60
     summary = lines[-1]
     assert summary["resumed_keys"] == len(first_keys) and summary["keys_scanned"] == 60 and summary["complete"]
+
+
+def test_a_second_sigterm_ends_the_process_at_once(publisher, cli_args, namespace, tmp_path):
+    _put_many(publisher, namespace, 60, size=50_000)
+    process, _ = _interrupted_check(cli_args, namespace, tmp_path)
+    process.send_signal(signal.SIGTERM)
+    time.sleep(0.2)  # two signals at once would be delivered as one
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=10) == -signal.SIGTERM
 
 
 def test_resume_needs_a_checkpoint_and_refuses_another_scans(cli_args, namespace, tmp_path):

@@ -1,15 +1,20 @@
 """`--device` / `--checker`: the choice, and a whole scan written identically by both checkers.
 
-No GPU here: the Triton checker runs its kernel under the Triton interpreter on host memory
-(the only fake in the suite; the GPU path itself is checked by benchmarks/gpu_check.py).
+Each test pins the device it tests. On a host without a GPU the Triton checker runs its kernel
+under the Triton interpreter on host memory (the only fake in the suite); on a GPU host the same
+comparison also runs with values read into GPU memory.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
-from audit.device import resolve_placement
+from audit.device import _gpu_visible, _mooncake_has_cuda, resolve_placement
 from audit.errors import AuditError
 from audit.keys import vllm_key
 from tests.helpers import scan_json
@@ -18,19 +23,43 @@ from tests.test_verdicts import LAYOUT, TINY_MAMBA, _value
 VOLATILE = {"started_at", "finished_at", "duration_s", "bytes_per_s", "checker"}
 
 
+GPU_HOST = _mooncake_has_cuda() and _gpu_visible()
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def test_placement_defaults_and_refusals():
-    assert resolve_placement("cpu") .checker_name == "numpy"
-    assert resolve_placement("auto").device == "cpu"  # no GPU on this host
+    assert resolve_placement("cpu").checker_name == "numpy"
     assert resolve_placement("cpu", "triton").checker_name == "triton"
-    with pytest.raises(AuditError, match="no CUDA GPU"):
-        resolve_placement("cuda")
+    assert resolve_placement("auto") == (resolve_placement("cuda") if GPU_HOST else resolve_placement("cpu"))
+    # peek reads land in host memory: auto follows them there, on every host; cuda is a contradiction
+    assert resolve_placement("auto", read_mode="peek") == resolve_placement("cpu")
+    with pytest.raises(AuditError, match="--read-mode peek reads into host memory"):
+        resolve_placement("cuda", read_mode="peek")
     with pytest.raises(AuditError, match="--device must be"):
         resolve_placement("tpu")
     with pytest.raises(AuditError, match="--checker must be"):
         resolve_placement("cpu", "cupy")
 
 
-def test_numpy_and_triton_checkers_write_identical_reports(publisher, cli_args, namespace, tmp_path):
+@pytest.mark.skipif(GPU_HOST, reason="pins a host without a GPU")
+def test_cuda_is_refused_where_there_is_none():
+    with pytest.raises(AuditError, match="no CUDA GPU|CUDA build of the Mooncake client"):
+        resolve_placement("cuda")
+
+
+@pytest.mark.skipif(_mooncake_has_cuda(), reason="pins a host with the non-CUDA Mooncake client")
+def test_auto_placement_never_imports_torch_where_the_client_cannot_use_a_gpu():
+    code = "import sys; from audit.device import resolve_placement; resolve_placement('auto'); print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="Triton on host memory needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not GPU_HOST or INTERPRETED, reason="pins a GPU host, compiled kernels")),
+])
+def test_numpy_and_triton_checkers_write_identical_reports(publisher, cli_args, namespace, tmp_path, device):
     import json
 
     rng = np.random.default_rng(9)
@@ -46,12 +75,12 @@ def test_numpy_and_triton_checkers_write_identical_reports(publisher, cli_args, 
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(TINY_MAMBA))
     args = [*cli_args, "--prefix", namespace.rstrip("/"), "--model-config", str(model_dir), "--ssm-dtype",
-            "float32", "--all", "--device", "cpu"]
-    _, by_numpy = scan_json(args, "--checker", "numpy")
-    _, by_triton = scan_json(args, "--checker", "triton")
+            "float32", "--all"]
+    _, by_numpy = scan_json(args, "--device", "cpu", "--checker", "numpy")
+    _, by_triton = scan_json(args, "--device", device, "--checker", "triton")
     assert by_numpy["summary"]["checker"] == "numpy" and by_triton["summary"]["checker"] == "triton"
     for document in (by_numpy, by_triton):
-        for name in VOLATILE:
+        for name in VOLATILE | {"device"}:
             document["summary"].pop(name)
     assert by_numpy == by_triton
     verdicts = sorted(tuple(r["verdicts"]) for r in by_numpy["keys"])

@@ -8,11 +8,13 @@ the Triton interpreter: correct, and about a megabyte per second, for verificati
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 
 from audit.checks.host import ValueCheck
 from audit.checks.zero import zero_digest
+from audit.errors import AuditError
 
 
 def _region_count(layout) -> int:
@@ -24,7 +26,10 @@ class TritonChecker:
 
     def __init__(self, device: str):
         if device == "cpu":
-            os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel module is imported
+            if "audit.kernels" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+                raise AuditError("--checker triton on --device cpu needs the Triton interpreter, and this process "
+                                 "already compiled its kernels for the GPU")
+            os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel module is imported
         import torch
 
         from audit.kernels import check_regions

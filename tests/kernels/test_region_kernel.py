@@ -169,10 +169,13 @@ def test_torch_nan_and_inf_values_are_counted(dtype):
     values[-1] = float("nan")  # in the final stripe
     values[100] = float("inf")
     values[200] = float("-inf")
-    data = values.view(torch.uint8).numpy()
+    data = values.cpu().view(torch.uint8).numpy()
     [found] = run(data.copy(), [0], [len(data)], [dtype])
-    has_inf = FLOAT_DTYPES[dtype].has_inf  # torch saturates +-inf to +-448 in e4m3fn
-    assert (found.nan, found.inf) == ((2, 2) if has_inf else (2, 0))
+    # What the bytes hold, decoded by torch: e4m3fn has no inf, and torch versions differ in what they
+    # store for one (2.13 on CPU saturates to +-448, 2.11 on CUDA stores NaN).
+    stored = values.cpu().float()
+    assert (found.nan, found.inf) == (int(stored.isnan().sum()), int(stored.isinf().sum()))
+    assert found.nan >= 2 and found.inf == (2 if FLOAT_DTYPES[dtype].has_inf else 0)
     assert found == reference(data, dtype)
 
 

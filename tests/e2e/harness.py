@@ -1,0 +1,192 @@
+"""The real-vLLM harness: clusters, engines in subprocesses, scans through the CLI, records.
+
+Runs inside .venv-vllm (scripts/vllm-e2e.sh). Every vLLM engine runs in its own process
+(tests/e2e/producer.py), so one test's vLLM state (plugins, patched classes, threads) cannot leak
+into another's. The audit is run as an operator runs it: the CLI, in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PRODUCER = Path(__file__).with_name("producer.py")
+
+# The log lines that say how vLLM laid its caches out (kept for observed.json and failures).
+LOG_PATTERNS = [
+    r"Setting attention block size to .*",
+    r"Padding mamba page size by .*",
+    r"[Kk]v cache group sizes.*",
+    r"Registered KV caches: .*",
+    r"Reset SSM cache type to .*",
+    r"Updating mamba_ssm_cache_dtype.*",
+    r"Setting mamba.*",
+    r"GPU KV cache size: .*",
+    r"CPU KV cache size: .*",
+    r"Maximum concurrency .*",
+    r"mooncake-audit recorder installed: .*",
+    r"mooncake-audit guard: .*",
+    r"e2e shim: .*",
+    r"batch_put failed: .*",
+    r"Boundary-state put failed .*",
+    r"Overriding .*block.?size.*",
+    r"block_size.*",
+]
+
+
+def cli_command() -> list[str]:
+    """The audit CLI: MOONCAKE_AUDIT_E2E_CLI (e.g. .venv/bin/mooncake-audit) or this venv's copy."""
+    override = os.environ.get("MOONCAKE_AUDIT_E2E_CLI")
+    return override.split() if override else [sys.executable, "-m", "cli"]
+
+
+def mooncake_config(cluster, path: Path) -> Path:
+    """The JSON file vLLM's connector reads (MOONCAKE_CONFIG_PATH), for an embedded cluster."""
+    path.write_text(json.dumps({
+        "metadata_server": cluster.metadata_url, "master_server_address": cluster.master_address,
+        "protocol": "tcp", "device_name": "", "mode": "standalone-store", "global_segment_size": 0,
+        "local_buffer_size": "256MB",
+    }, indent=2))
+    return path
+
+
+def all_keys(cluster) -> list[str]:
+    with urllib.request.urlopen(f"{cluster.admin_url}/get_all_keys", timeout=10) as response:
+        return [line for line in response.read().decode().split("\n") if line]
+
+
+def _clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("MOONCAKE_AUDIT_", "VLLM_", "MOONCAKE_CONFIG_PATH"))}
+    env.pop("TRITON_INTERPRET", None)  # the main suite's conftest switch; vLLM must not inherit it
+    env.update(MC_TCP_BIND_ADDRESS="127.0.0.1", MC_LOG_LEVEL="ERROR", PYTHONUNBUFFERED="1")
+    return env
+
+
+@dataclass
+class EngineRun:
+    model: str
+    log_path: Path
+    batches: list = field(default_factory=list)   # per batch, per prompt: {"tokens", "cached_tokens"}
+    seconds: dict = field(default_factory=dict)
+    vllm: dict = field(default_factory=dict)      # what vLLM resolved (producer.describe)
+    wall_s: float = 0.0
+    log_lines: list[str] = field(default_factory=list)
+
+    def tokens(self, batch: int) -> list[list[int]]:
+        return [p["tokens"] for p in self.batches[batch]]
+
+    def cached(self, batch: int) -> list[int]:
+        return [p["cached_tokens"] for p in self.batches[batch]]
+
+
+def run_engine(model_dir: Path, config_path: Path | None, batches: list[list[list[int]]], work: Path, *,
+               mamba: bool, block_size: int | None, max_tokens: int = 8, record_dir: Path | None = None,
+               guard: bool = False, bug: bool = False, retention_none: bool = False, tp: int = 1,
+               multiprocess: bool = False, dtype: str | None = None, timeout_s: float = 400.0, name: str = "engine") -> EngineRun:
+    """Start one vLLM engine in a subprocess, generate `batches` greedily, return tokens and logs."""
+    work.mkdir(parents=True, exist_ok=True)
+    spec_path, out_path, log_path = work / f"{name}.spec.json", work / f"{name}.out.json", work / f"{name}.log"
+    spec = dict(model=str(model_dir), batches=batches, max_tokens=max_tokens, block_size=block_size, mamba=mamba,
+                retention_none=retention_none, tp=tp, dtype=dtype, connector=config_path is not None, out=str(out_path))
+    spec_path.write_text(json.dumps(spec))
+    env = _clean_env()
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="1" if (multiprocess or tp > 1) else "0",
+               VLLM_LOGGING_LEVEL="INFO")
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+    if config_path is not None:
+        env["MOONCAKE_CONFIG_PATH"] = str(config_path)
+    if record_dir is not None:
+        env["MOONCAKE_AUDIT_RECORD"] = str(record_dir)
+    if guard:
+        env["MOONCAKE_AUDIT_GUARD"] = "1"
+    if bug:
+        env["MOONCAKE_AUDIT_E2E_BUG_53084"] = "1"
+    started = time.monotonic()
+    with open(log_path, "wb") as log:
+        process = subprocess.run([sys.executable, str(PRODUCER), str(spec_path)], cwd=work, env=env,
+                                 stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+    text = log_path.read_text(errors="replace")
+    if process.returncode != 0 or not out_path.exists():
+        tail = "\n".join(text.splitlines()[-40:])
+        raise EngineFailed(f"vLLM engine for {model_dir.name} exited {process.returncode}; log {log_path}:\n{tail}")
+    result = json.loads(out_path.read_text())
+    return EngineRun(model=model_dir.name, log_path=log_path, batches=result["batches"], seconds=result["seconds"], vllm=result.get("vllm", {}),
+                     wall_s=round(time.monotonic() - started, 1), log_lines=interesting_lines(text))
+
+
+class EngineFailed(RuntimeError):
+    """The vLLM engine did not come up or did not finish (the log tail says why)."""
+
+
+def interesting_lines(text: str) -> list[str]:
+    found = []
+    for line in text.splitlines():
+        for pattern in LOG_PATTERNS:
+            match = re.search(pattern, line)
+            if match and match.group(0) not in found:
+                found.append(match.group(0).strip())
+                break
+    return found
+
+
+@dataclass
+class Scan:
+    rc: int
+    report: dict | None
+    stderr: str
+    argv: list[str]
+
+    @property
+    def records(self) -> list[dict]:
+        return (self.report or {}).get("keys") or (self.report or {}).get("findings") or []
+
+    def keys_with(self, verdict: str) -> set[str]:
+        return {r["key"] for r in self.records if verdict in r.get("verdicts", [])}
+
+
+def scan(config_path: Path, cluster, *extra: str, timeout_s: float = 120.0) -> Scan:
+    """`mooncake-audit scan --config C --admin URL --format json --all EXTRA...`, as an operator runs it."""
+    argv = [*cli_command(), "scan", "--config", str(config_path), "--admin", cluster.admin_url,
+            "--format", "json", "--all", "--no-progress", *extra]
+    env = _clean_env()
+    process = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    try:
+        report = json.loads(process.stdout) if process.stdout.strip() else None
+    except json.JSONDecodeError:
+        report = None
+    return Scan(process.returncode, report, process.stderr, argv)
+
+
+def read_records(directory: Path) -> list[dict]:
+    """Every line the recorder plugin wrote (all processes), in file then line order."""
+    lines = []
+    for path in sorted(directory.rglob("*.jsonl")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                record = json.loads(line)
+                record["_source"] = f"{path.name}:{number}"
+                lines.append(record)
+    return lines
+
+
+def first_successful_put(records: list[dict]) -> dict[str, dict]:
+    """Per key, the record of the put that stored it: the first with rc 0 and not withheld.
+
+    Mooncake keeps a key's first copy (a later put of an existing key returns 0 and changes nothing),
+    so this is the put whose bytes the store holds (FACTS §7)."""
+    first: dict[str, dict] = {}
+    for record in sorted(records, key=lambda r: r.get("time", 0)):
+        if record.get("rc") == 0 and not record.get("withheld") and record["key"] not in first:
+            first[record["key"]] = record
+    return first

@@ -1,0 +1,126 @@
+"""Tiny random-weight models for the real-vLLM harness, made at test time (nothing is downloaded).
+
+Run with .venv-vllm's python (transformers comes with vLLM): ``python tests/e2e/models.py OUT_DIR
+[NAME ...]`` writes one directory per model, named as an operator would name a checkpoint
+directory (vLLM keys carry the basename of the model path), and prints a JSON summary.
+
+Each model's ``MODELS`` entry says what vLLM needs to serve it on the CPU build (FACTS §8):
+``mamba`` (align mode), ``block_size``, and whether the CPU build runs it at all.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VOCAB = 512
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    name: str                 # directory basename: the model field of every key
+    family: str               # model_type
+    dtype: str                # the checkpoint's dtype (config.json torch_dtype/dtype)
+    mamba: bool               # has recurrent state: served with mamba_cache_mode="align"
+    block_size: int | None    # what the harness asks vLLM for (None: vLLM's choice)
+    serve_dtype: str | None = None  # LLM(dtype=...): None is vLLM's "auto" (a float32 checkpoint then runs in bf16)
+    runs_on_cpu: bool = True
+    why_not: str = ""
+    config_extra: dict = field(default_factory=dict)  # keys added to config.json after saving
+
+
+MODELS: dict[str, TinyModel] = {m.name: m for m in [
+    TinyModel("mamba2-tiny", "mamba2", "float32", mamba=True, block_size=16, serve_dtype="float32"),
+    TinyModel("mamba2-tiny-bf16", "mamba2", "bfloat16", mamba=True, block_size=16),
+    TinyModel("llama-tiny", "llama", "bfloat16", mamba=False, block_size=32),
+    TinyModel("nemotron-h-tiny", "nemotron_h", "bfloat16", mamba=True, block_size=None),
+    TinyModel("falcon-h1-tiny", "falcon_h1", "bfloat16", mamba=True, block_size=None),
+    # vLLM 0.32.0 reads the pre-transformers-5 names conv_dim / block_dim
+    TinyModel("lfm2-tiny", "lfm2", "bfloat16", mamba=True, block_size=None,
+              config_extra={"conv_dim": 64, "block_dim": 64}),
+    # CPU GDN attention requires bfloat16; linear head dims 128 (chunk_gated_delta_rule_cpu)
+    TinyModel("qwen3-next-tiny", "qwen3_next", "bfloat16", mamba=True, block_size=None),
+    TinyModel("mamba-tiny", "mamba", "float32", mamba=True, block_size=16, runs_on_cpu=False,
+              why_not="Mamba1: the CPU build has no selective_scan_fwd kernel"),
+]}
+
+
+def hf_config(model: TinyModel):
+    import transformers as t
+
+    common = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    if model.family == "mamba2":
+        # hidden 64, 2 layers, d_state 16, 8 heads x 16 (d_inner 128), n_groups 1, d_conv 4
+        return t.Mamba2Config(hidden_size=64, num_hidden_layers=2, state_size=16, num_heads=8, head_dim=16,
+                              expand=2, n_groups=1, conv_kernel=4, chunk_size=16, **common)
+    if model.family == "mamba":
+        return t.MambaConfig(hidden_size=64, num_hidden_layers=2, state_size=16, expand=2, conv_kernel=4, **common)
+    if model.family == "llama":
+        # head_dim 64: the CPU attention refuses 16
+        return t.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=64, max_position_embeddings=4096, **common)
+    if model.family == "nemotron_h":
+        return t.NemotronHConfig(hidden_size=64, layers_block_type=["mamba", "attention", "mamba", "mlp"],
+                                 num_attention_heads=1, num_key_value_heads=1, head_dim=64, intermediate_size=128,
+                                 ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=1,
+                                 conv_kernel=4, expand=2, chunk_size=16, max_position_embeddings=4096, **common)
+    if model.family == "falcon_h1":
+        return t.FalconH1Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
+                                num_key_value_heads=1, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16,
+                                mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+                                mamba_chunk_size=16, max_position_embeddings=4096, **common)
+    if model.family == "lfm2":
+        return t.Lfm2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=1,
+                            num_key_value_heads=1, conv_L_cache=3, block_auto_adjust_ff_dim=False,
+                            layer_types=["conv", "full_attention", "conv"], max_position_embeddings=4096, **common)
+    if model.family == "qwen3_next":
+        return t.Qwen3NextConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                 linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                                 linear_num_key_heads=1, linear_num_value_heads=1,
+                                 layer_types=["linear_attention"] * 3 + ["full_attention"],
+                                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                 shared_expert_intermediate_size=64, decoder_sparse_step=1,
+                                 max_position_embeddings=4096, **common)
+    raise ValueError(model.family)
+
+
+def make(model: TinyModel, out: Path) -> Path:
+    """The model's directory under `out`, created once (a config.json marks it complete)."""
+    import torch
+    import transformers as t
+
+    path = out / model.name
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(0)
+    config = hf_config(model)
+    dtype = getattr(torch, model.dtype)
+    net = t.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():  # random weights small enough that activations stay finite over 2-4 layers
+        for parameter in net.parameters():
+            if parameter.dim() >= 2:
+                parameter.normal_(0.0, 0.05)
+    net.save_pretrained(path, safe_serialization=True)
+    if model.config_extra:
+        config_path = path / "config.json"
+        data = json.loads(config_path.read_text())
+        data.update(model.config_extra)
+        config_path.write_text(json.dumps(data, indent=2))
+    return path
+
+
+def main(argv: list[str]) -> int:
+    out = Path(argv[0])
+    names = argv[1:] or [name for name, model in MODELS.items() if model.runs_on_cpu]
+    made = {}
+    for name in names:
+        made[name] = str(make(MODELS[name], out))
+    print(json.dumps(made))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

