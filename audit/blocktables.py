@@ -8,7 +8,11 @@ JSONL, one record per line, in one of two shapes (docs/block-tables.md):
                "block_size", "block_ids": [...], "chunk_hashes": [...]}: block_ids[i] backs the
                chunk whose hash is chunk_hashes[i]; expanded to vLLM keys.
 
-A key is NULL-backed when any of its blocks is vLLM's NULL_BLOCK_ID (0).
+A key is NULL-backed when any block of the put its bytes came from is vLLM's NULL_BLOCK_ID (0).
+Mooncake keeps the first copy of a key (a later put returns 0 and changes nothing), so when records
+carry the put's outcome (`rc`, and `withheld` from the guard, as the recorder writes them), the
+source is the earliest successful put; failed and withheld puts are attempts, counted, never the
+source. Records without an outcome are all evidence: any of them naming the null block counts.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from audit.keys import vllm_key
 NULL_BLOCK_ID = 0
 
 
+STORED, FAILED = "stored", "failed"  # a put's outcome, where a record says it
+
+
 @dataclass
 class BlockTableEntry:
     key: str
@@ -31,6 +38,8 @@ class BlockTableEntry:
     sources: list[str] = field(default_factory=list)  # "file:line" of every record naming the key
     req_ids: list[str] = field(default_factory=list)
     boundary: int | None = None  # tokens up to the end of this chunk (per-request records with block_size)
+    stored_at: float | None = None  # when the put that `block_ids` come from succeeded, if records say
+    stored: bool = False            # `block_ids` are those of a successful put (the key's first copy)
 
     @property
     def null_backed(self) -> bool:
@@ -43,18 +52,26 @@ class BlockTables:
     records: int = 0
     skipped_lines: int = 0
     unresolved: int = 0  # recorder lines whose blocks could not be derived ("block_ids": null)
+    failed_puts: int = 0  # records of puts that stored nothing (an error code, or withheld by the guard)
     files: list[str] = field(default_factory=list)
 
     def get(self, key: str) -> BlockTableEntry | None:
         return self.entries.get(key)
 
     def add(self, key: str, block_ids: tuple[int, ...], source: str, req_id: str | None,
-            boundary: int | None = None) -> None:
+            boundary: int | None = None, outcome: str | None = None, at: float | None = None) -> None:
+        if outcome == FAILED:
+            self.failed_puts += 1
+            return
+        stored = outcome == STORED
         entry = self.entries.get(key)
         if entry is None:
-            entry = self.entries[key] = BlockTableEntry(key, block_ids, boundary=boundary)
-        elif NULL_BLOCK_ID in block_ids and not entry.null_backed:
-            entry.block_ids = block_ids  # any record mapping the key to the null block is evidence
+            entry = self.entries[key] = BlockTableEntry(key, block_ids, boundary=boundary, stored=stored,
+                                                        stored_at=at if stored else None)
+        elif stored and (not entry.stored or _earlier(at, entry.stored_at)):
+            entry.block_ids, entry.stored, entry.stored_at = block_ids, True, at  # the first copy is the one kept
+        elif not stored and not entry.stored and NULL_BLOCK_ID in block_ids and not entry.null_backed:
+            entry.block_ids = block_ids  # without outcomes, any record mapping the key to the null block is evidence
         entry.sources.append(source)
         if req_id is not None and req_id not in entry.req_ids:
             entry.req_ids.append(req_id)
@@ -69,7 +86,12 @@ class BlockTables:
             sum(1 for key in self.entries if key not in keys_in_store),
             "skipped_lines": self.skipped_lines,
             "unresolved_records": self.unresolved,
+            "failed_puts": self.failed_puts,
         }
+
+
+def _earlier(at: float | None, than: float | None) -> bool:
+    return at is not None and than is not None and at < than
 
 
 class _Malformed(ValueError):
@@ -90,6 +112,21 @@ def _block_ids(record: dict) -> tuple[int, ...]:
             raise _Malformed("'block_ids' must be a non-empty list of integers")
         return tuple(_int({"block_ids[]": i}, "block_ids[]") for i in ids)
     return (_int(record, "block_id"),)
+
+
+def _outcome(record: dict) -> str | None:
+    """STORED or FAILED where the record says how its put ended (recorder lines), else None."""
+    if "rc" not in record:
+        return None
+    rc = record["rc"]
+    if rc is not None and (isinstance(rc, bool) or not isinstance(rc, int)):
+        raise _Malformed("'rc' must be an integer or null")
+    return FAILED if record.get("withheld") or rc is None or rc < 0 else STORED
+
+
+def _time(record: dict) -> float | None:
+    value = record.get("time")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _unresolved(record: dict) -> bool:
@@ -157,6 +194,7 @@ def read_block_tables(paths: Iterable[Path], *, lenient: bool = False) -> BlockT
                         if not isinstance(record, dict):
                             raise _Malformed("a line must hold a JSON object")
                         entries = None if _unresolved(record) else list(_expand(record))
+                        outcome = _outcome(record)
                     except (json.JSONDecodeError, _Malformed) as error:
                         if lenient:
                             tables.skipped_lines += 1
@@ -169,7 +207,8 @@ def read_block_tables(paths: Iterable[Path], *, lenient: bool = False) -> BlockT
                     tables.records += 1
                     req_id = record.get("req_id")
                     for key, block_ids, boundary in entries:
-                        tables.add(key, block_ids, source, None if req_id is None else str(req_id), boundary)
+                        tables.add(key, block_ids, source, None if req_id is None else str(req_id), boundary,
+                                   outcome, _time(record))
             except UnicodeDecodeError:
                 raise AuditError(f"block table {path} is not UTF-8 text") from None
     return tables

@@ -43,6 +43,30 @@ def test_a_null_record_wins_over_a_real_one_for_the_same_key(tmp_path):
     assert tables.get("k").null_backed and len(tables.get("k").sources) == 2
 
 
+def test_the_source_of_a_key_is_its_first_successful_put(tmp_path):
+    """Mooncake keeps a key's first copy; withheld and failed puts store nothing (issue #11)."""
+    _write(tmp_path / "rank0.jsonl", [
+        # the guard withheld a block-0 read, and vLLM's retry stored the key from block 5
+        {"key": "retried", "block_ids": [0, 0], "rc": -600, "withheld": True, "reason": "NULL_BLOCK_ID", "time": 1.0},
+        {"key": "retried", "block_ids": [5, 5], "rc": 0, "time": 2.0},
+        # a put that failed in transfer, then a good one
+        {"key": "failed-first", "block_ids": [0, 0], "rc": -800, "time": 1.0},
+        {"key": "failed-first", "block_ids": [6, 6], "rc": 0, "time": 2.0},
+        # the block-0 put landed first: the later real put changed nothing (#53084's dedup)
+        {"key": "null-first", "block_ids": [0, 0], "rc": 0, "time": 1.0},
+        {"key": "null-first", "block_ids": [7, 7], "rc": 0, "time": 3.0},
+        {"key": "never-stored", "block_ids": [0, 0], "rc": -600, "withheld": True, "time": 1.0},
+    ])
+    # another process's file, read later, holds the earliest successful put of a key
+    _write(tmp_path / "rank1.jsonl", [{"key": "real-first", "block_ids": [8, 8], "rc": 0, "time": 0.5}])
+    _write(tmp_path / "rank2.jsonl", [{"key": "real-first", "block_ids": [0, 0], "rc": 0, "time": 0.9}])
+    tables = read_block_tables([tmp_path / "rank2.jsonl", tmp_path / "rank0.jsonl", tmp_path / "rank1.jsonl"])
+    assert {k: e.block_ids for k, e in tables.entries.items()} == {
+        "retried": (5, 5), "failed-first": (6, 6), "null-first": (0, 0), "real-first": (8, 8)}
+    assert sorted(k for k, e in tables.entries.items() if e.null_backed) == ["null-first"]
+    assert tables.failed_puts == 3 and tables.summary(None)["failed_puts"] == 3
+
+
 @pytest.mark.parametrize("line, reason", [
     ("{not json", "Expecting property name"),
     ('["a list"]', "JSON object"),
