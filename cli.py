@@ -14,7 +14,7 @@ import typer
 
 from audit.connection import Settings
 from audit.errors import AuditError
-from audit.progress import ScanProgress
+from audit.run.progress import ScanProgress
 from audit.report import FORMATS, make_sink
 from audit.report.inert import printable
 
@@ -140,7 +140,7 @@ def _settings(master, metadata, admin, protocol, device_name, local_hostname, co
 def _plan(model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv_layout, layout, layout_for_all,
           block_tables, lenient, include_all):
     from audit.blocktables import read_block_tables
-    from audit.plan import CheckPlan, load_layouts
+    from audit.judge.plan import CheckPlan, load_layouts
 
     _check_choice("--conv-layout", conv_layout, ("SD", "DS"))
     layouts = load_layouts(model_configs=model_config or (), layout_files=layout or (), model_name=model,
@@ -152,9 +152,9 @@ def _plan(model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv
 
 def _scan_report(connection: tuple, plan_args: tuple, include_all: bool, progress, sink, **scan_options):
     """The pipeline every scanning command shares: options in, report out (AuditError on failure)."""
-    from audit.device import resolve_placement
-    from audit.orchestrator import ScanOptions, run_scan
-    from audit.selection import parse_sample
+    from audit.run.device import resolve_placement
+    from audit.run.orchestrator import ScanOptions, run_scan
+    from audit.sources.selection import parse_sample
 
     scan_options["placement"] = resolve_placement(scan_options.pop("device"), scan_options.pop("checker"),
                                                   scan_options.get("read_mode", "lease"))
@@ -377,7 +377,7 @@ def layout_command(
 ) -> None:
     """Print the byte layout of one key's value: segments, regions, offsets, bytes per key."""
     from audit.layouts import dump_layout_file
-    from audit.plan import load_layouts
+    from audit.judge.plan import load_layouts
     from audit.report.views import print_layouts
 
     _check_choice("--format", fmt, ("human", "json"))
@@ -404,7 +404,7 @@ def crossref(
 ) -> None:
     """Add NULL_BACKED verdicts to a report written earlier, from producer block tables."""
     from audit.blocktables import read_block_tables
-    from audit.crossref import crossref_report
+    from audit.judge.crossref import crossref_report
 
     _check_choice("--format", fmt, FORMATS)
     if not block_tables:

@@ -17,9 +17,9 @@ from audit.blocktables import read_block_tables
 from audit.cluster import ClusterError, LocalCluster
 from audit.connection import Settings
 from audit.errors import AuditError
-from audit.orchestrator import ScanOptions, run_scan
-from audit.plan import CheckPlan
-from audit.progress import ScanProgress
+from audit.run.orchestrator import ScanOptions, run_scan
+from audit.judge.plan import CheckPlan
+from audit.run.progress import ScanProgress
 from audit.records import Report
 from audit.simulate import MAMBA_130M, SimulationOptions, simulate
 

@@ -8,11 +8,12 @@ from audit.checks.floats import decode_floats
 from audit.checks.host import HostChecker
 from audit.connection import AdminClient, Settings, open_store
 from audit.errors import AuditError
-from audit.fetch import LeaseReader, Slot
+from audit.readers.buffers import Slot
+from audit.readers.lease import LeaseReader
 from audit.keys import parse_key
-from audit.plan import CheckPlan
+from audit.judge.plan import CheckPlan
 from audit.records import KeyInfo
-from audit.scan import check_batch
+from audit.run.scan import check_batch
 
 HEXDUMP_BYTES = 32
 

@@ -78,7 +78,7 @@ def verify(gib: float) -> int:
     """Compares every region with the host reference; returns the number of regions checked."""
     import torch
 
-    from audit.kernels import check_regions
+    from audit.checks.kernels import check_regions
 
     generator = torch.Generator(device="cuda").manual_seed(0)
     kinds = [("random", "raw"), ("zero", "bfloat16"), ("bfloat16", "bfloat16"), ("random", "float8_e4m3fn"),
@@ -132,8 +132,8 @@ def time_wall(fn, repeats: int) -> float:
 def bench(gib: float, repeats: int) -> list[tuple[str, str, int, float]]:
     import torch
 
-    from audit.kernels import check_regions
-    from audit.kernels.launcher import launch_region_kernel
+    from audit.checks.kernels import check_regions
+    from audit.checks.kernels.launcher import launch_region_kernel
 
     nbytes = int(gib * 2**30)
     generator = torch.Generator(device="cuda").manual_seed(1)
@@ -170,9 +170,9 @@ def scan_into_gpu(keys: int = 192) -> str:
         return "scan into GPU memory: skipped (needs the CUDA build, mooncake-transfer-engine)"
     from audit.cluster import LocalCluster
     from audit.connection import Settings
-    from audit.device import Placement
-    from audit.orchestrator import ScanOptions, run_scan
-    from audit.plan import CheckPlan
+    from audit.run.device import Placement
+    from audit.run.orchestrator import ScanOptions, run_scan
+    from audit.judge.plan import CheckPlan
     from audit.report.json_report import JsonSink
     from audit.simulate import MAMBA_130M, SimulationOptions, simulate
 

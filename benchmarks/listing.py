@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from audit.cluster import LocalCluster
 from audit.connection import open_store
-from audit.fetch import RegisteredBuffer
+from audit.readers.buffers import RegisteredBuffer
 from audit.keys import vllm_key
 from benchmarks.common import MAMBA_130M_NAME, BenchmarkError, Row, timed
 from benchmarks.transfer import PUT_MAX_KEYS, own_cluster, run_worker, settings_of

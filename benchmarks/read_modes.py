@@ -24,10 +24,11 @@ from mooncake.store import ReplicateConfig  # noqa: E402
 from audit.checks.host import HostChecker  # noqa: E402
 from audit.cluster import LocalCluster  # noqa: E402
 from audit.connection import AdminClient, Settings, open_store  # noqa: E402
-from audit.fetch import LeaseReader, RegisteredBuffer, plan_batches  # noqa: E402
+from audit.readers.buffers import RegisteredBuffer, plan_batches  # noqa: E402
+from audit.readers.lease import LeaseReader  # noqa: E402
 from audit.readers import PeekReader  # noqa: E402
-from audit.scan import scan_keys  # noqa: E402
-from audit.sources import AdminListing, KeyFilter  # noqa: E402
+from audit.run.scan import scan_keys  # noqa: E402
+from audit.sources.listing import AdminListing, KeyFilter  # noqa: E402
 
 BUFFER_BYTES = 256 << 20
 

@@ -8,6 +8,8 @@ Sections (each on its own embedded cluster, torn down afterwards):
             mamba-130m values at TP 2 and TP 1 and for 4 KiB values
   kernels   the CPU region check alone vs raw xxh3 over the same bytes
   listing   enumeration of many keys: seconds and peak RSS of the auditor process
+  processes whole processes as cron pays for them (fetch-only script, naive script, the CLI);
+            opt-in: `--sections processes` (also `python -m benchmarks.processes`)
 
 Prints the raw table, the ratios and the targets of issue #5; `--markdown PATH` also writes them
 as Markdown, `--json PATH` as JSON.
@@ -27,7 +29,8 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 from benchmarks.common import HEADER, MODES, Row, machine, markdown_table, table, text_table  # noqa: E402
 
-SECTIONS = ("kernels", "transfer", "listing")
+SECTIONS = ("kernels", "transfer", "listing", "processes")
+DEFAULT_SECTIONS = ("kernels", "transfer", "listing")  # processes: opt-in (its own cluster, ~3 min)
 
 
 def _row(rows: list[Row], section: str, prefix: str) -> Row | None:
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_const", dest="mode", const="quick", help="smoke run, 1-2 minutes")
     mode.add_argument("--tiny", action="store_const", dest="mode", const="tiny", help="seconds; for the test suite")
-    parser.add_argument("--sections", default=",".join(SECTIONS),
+    parser.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--runs", type=int, default=None, help="timed runs per method (default: per mode)")
     parser.add_argument("--markdown", default=None, help="also write the results as Markdown to this path")
@@ -131,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
             if "listing" in chosen:
                 log(f"listing: {sizes.enum_keys:,} keys, {sizes.enum_runs} runs")
                 rows += listing.run_listing(sizes.enum_keys, sizes.enum_runs, log, cluster=shared)
+    if "processes" in chosen:
+        from benchmarks.processes import KEYS_BY_MODE, run_processes
+        log(f"processes: {KEYS_BY_MODE[mode_name]:,} keys, whole processes, interleaved rounds")
+        rows += run_processes(KEYS_BY_MODE[mode_name], args.runs or min(runs, 3), log, probe=mode_name != "tiny")[0]
     elapsed = time.perf_counter() - started
     info["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     lines = table(rows)

@@ -28,14 +28,15 @@ from audit.blocktables import read_block_tables
 from audit.checks.host import HostChecker
 from audit.cluster import LocalCluster
 from audit.connection import AdminClient, Settings, open_store
-from audit.fetch import ALIGNMENT, LeaseReader, RegisteredBuffer, plan_batches
+from audit.readers.buffers import ALIGNMENT, RegisteredBuffer, plan_batches
+from audit.readers.lease import LeaseReader
 from audit.keys import vllm_key
 from audit.layouts import Layout, layouts_from_hf_config
-from audit.orchestrator import ScanOptions, run_scan
-from audit.plan import CheckPlan
+from audit.run.orchestrator import ScanOptions, run_scan
+from audit.judge.plan import CheckPlan
 from audit.records import Verdict
-from audit.scan import check_batch, scan_keys
-from audit.sources import AdminListing, KeyFilter
+from audit.run.scan import check_batch, scan_keys
+from audit.sources.listing import AdminListing, KeyFilter
 from benchmarks.common import (MAMBA_130M, MAMBA_130M_NAME, TINY_4K, TINY_4K_NAME, ZERO_EVERY, BenchmarkError, Row,
                                cpu_seconds, own_cpu_seconds, stamp, state_like, timed)
 from benchmarks.reference_checker import ReferenceChecker

@@ -39,7 +39,7 @@ def _rss_mib() -> float:
 def _list(args) -> dict:
     from audit.connection import AdminClient
     from audit.keys import parse_key
-    from audit.sources import AdminListing, KeyFilter
+    from audit.sources.listing import AdminListing, KeyFilter
 
     admin = AdminClient(args.admin, timeout_s=120)
     start_rss = _rss_mib()
@@ -67,8 +67,8 @@ def _scan(args) -> dict:
     from audit.blocktables import read_block_tables
     from audit.connection import Settings
     from audit.layouts import layouts_from_hf_config
-    from audit.orchestrator import ScanOptions, run_scan
-    from audit.plan import CheckPlan
+    from audit.run.orchestrator import ScanOptions, run_scan
+    from audit.judge.plan import CheckPlan
     from benchmarks.transfer import NullSink
 
     start_rss = _rss_mib()

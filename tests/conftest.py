@@ -12,7 +12,7 @@ import os
 
 
 def _gpu_host() -> bool:
-    from audit.device import _gpu_visible, _mooncake_has_cuda
+    from audit.run.device import _gpu_visible, _mooncake_has_cuda
 
     return _mooncake_has_cuda() and _gpu_visible()
 

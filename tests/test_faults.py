@@ -12,7 +12,7 @@ import signal
 import jsonschema
 
 from audit.cluster import LocalCluster, free_port
-from audit.orchestrator import ScanOptions, run_scan
+from audit.run.orchestrator import ScanOptions, run_scan
 from audit.report.json_report import JsonSink
 from audit.workload import Publisher
 from tests.conftest import settings_for

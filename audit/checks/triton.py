@@ -26,13 +26,13 @@ class TritonChecker:
 
     def __init__(self, device: str):
         if device == "cpu":
-            if "audit.kernels" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            if "audit.checks.kernels" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
                 raise AuditError("--checker triton on --device cpu needs the Triton interpreter, and this process "
                                  "already compiled its kernels for the GPU")
             os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel module is imported
         import torch
 
-        from audit.kernels import check_regions
+        from audit.checks.kernels import check_regions
 
         self._torch = torch
         self._check_regions = check_regions

@@ -18,9 +18,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from audit.connection import AdminClient, Settings, open_store
-from audit.crossref import read_report
+from audit.judge.crossref import read_report
 from audit.errors import AuditError
-from audit.fetch import plan_batches
+from audit.readers.buffers import plan_batches
 from audit.forensics.evidence import EvidenceStore
 from audit.records import FINDINGS, KeyInfo, KeyRecord
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from audit.blocktables import BlockTables
 from audit.errors import AuditError
-from audit.merge import SCHEMA, merge_records
-from audit.judge import apply_block_table
+from audit.judge.merge import SCHEMA, merge_records
+from audit.judge.key import apply_block_table
 from audit.records import KeyRecord, Report, Verdict
 
 

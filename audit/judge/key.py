@@ -1,5 +1,5 @@
 """Per-key verdicts from what the read returned, what the checks found, the value's layout and
-the producer's block tables. Cross-key verdicts (SHARED_CONTENT) are decided in `audit.merge`.
+the producer's block tables. Cross-key verdicts (SHARED_CONTENT) are decided in `audit.judge.merge`.
 
 The rules for a value with a recurrent-state layout (the vLLM #53084 detector):
 - ZERO_STATE: every conv and ssm region is all zero (padding does not count: it is zero by design);
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from audit.blocktables import BlockTableEntry
 from audit.checks.host import ValueCheck
-from audit.fetch import ERROR_NAMES, MOVED
+from audit.errors import ERROR_NAMES, MOVED
 from audit.keys import parse_key
 from audit.records import KeyInfo, KeyRecord, Verdict
 

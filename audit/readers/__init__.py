@@ -1,7 +1,9 @@
-"""Read modes beyond `audit.fetch.LeaseReader`: lease-free reads of every replica (`peek`)."""
+"""Every way bytes arrive: lease reads (`lease`, through `batch_get_into`) and lease-free raw reads of
+every replica (`peek`, with `engine` and `descriptors`), into the registered `buffers`, optionally
+paced by `throttle`; `confirm` re-reads a finding, `replicas` compares the replicas of one key."""
 
-from audit.readers.confirm import Confirmation, apply_confirmation
-from audit.readers.peek import KeyRead, PeekReader
+from audit.readers.confirm import Confirmation, KeyRead, apply_confirmation
+from audit.readers.peek import PeekReader
 from audit.readers.replicas import judge_replicas
 
 __all__ = ["Confirmation", "KeyRead", "PeekReader", "apply_confirmation", "judge_replicas"]

@@ -9,15 +9,21 @@ different digests, or a key moved or gone, turn the finding into MOVED or VANISH
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from audit.fetch import ERROR_NAMES, MOVED
+from audit.errors import ERROR_NAMES, MOVED
 from audit.records import KeyRecord, Verdict
 
-if TYPE_CHECKING:
-    from audit.readers.peek import KeyRead
-
 OBJECT_NOT_FOUND = -704
+
+
+@dataclass(slots=True)
+class KeyRead:
+    """One key's outcome: `code` is what `batch_get_into` would say (bytes read, or a negative
+    code); `rows` one entry per replica; `xxh3` the digest of the bytes left in the buffer."""
+
+    code: int
+    rows: list[dict]
+    xxh3: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

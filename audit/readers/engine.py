@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from audit.connection import Settings, local_address_towards, native_stderr_captured
 from audit.errors import AuditError
-from audit.fetch import MAX_KEYS_PER_BATCH
+from audit.readers.buffers import MAX_KEYS_PER_BATCH
 
 TRANSFER_FAIL = -800  # what `batch_get_into` answers for the same failure (FACTS §3)
 PARALLEL_HOLDERS = 8
@@ -44,7 +44,7 @@ def _unique_name(host: str) -> str:
 
 class RawTransfer:
     """A TransferEngine of the auditor's own; `register_buffer`/`unregister_buffer` have the store's
-    names so `audit.fetch.RegisteredBuffer` works with it."""
+    names so `audit.readers.lease.RegisteredBuffer` works with it."""
 
     def __init__(self, settings: Settings):
         try:

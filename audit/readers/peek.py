@@ -16,29 +16,17 @@ bytes between two reads, which `confirm` catches before a finding is reported.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-
 import xxhash
 
 from audit.connection import AdminClient, Settings
-from audit.fetch import (ALIGNMENT, ERROR_NAMES, MOVED, NOT_PEEKABLE, FetchedBatch, RegisteredBuffer, Slot,
-                         plan_batches)
-from audit.readers.confirm import Confirmation, confirmation_of
+from audit.errors import ERROR_NAMES, MOVED, NOT_PEEKABLE
+from audit.readers.buffers import ALIGNMENT, FetchedBatch, RegisteredBuffer, Slot, plan_batches
+from audit.readers.confirm import Confirmation, KeyRead, confirmation_of
 from audit.readers.descriptors import GONE, Replica, query_replicas
 from audit.readers.engine import RawRead, RawTransfer
 from audit.records import KeyInfo, KeyRecord
 
 OBJECT_NOT_FOUND = -704
-
-
-@dataclass(slots=True)
-class KeyRead:
-    """One key's outcome: `code` is what `batch_get_into` would say (bytes read, or a negative
-    code); `rows` one entry per replica; `xxh3` the digest of the bytes left in the buffer."""
-
-    code: int
-    rows: list[dict]
-    xxh3: int | None = None
 
 
 def _row(replica: Replica, status: str, digest: int | None, code: int | None) -> dict:
@@ -76,7 +64,7 @@ def _settle(key: KeyInfo, before: list[Replica] | None, after: list[Replica] | N
 
 
 class PeekReader:
-    """Same interface as `audit.fetch.LeaseReader`; reads every replica, takes no lease."""
+    """Same interface as `audit.readers.lease.LeaseReader`; reads every replica, takes no lease."""
 
     mode = "peek"
 

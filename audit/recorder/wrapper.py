@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 
 from audit.recorder.blocks import KeyBlocks, RegisteredRegions
 from audit.recorder.records import RecordWriter, key_lines, logger
@@ -101,8 +102,27 @@ def _put_except(put, withheld: set[int], keys, ptrs, sizes, args, kwargs) -> lis
     kept = [index for index in range(len(keys)) if index not in withheld]
     results = [WITHHELD_RESULT] * len(keys)
     if kept:
-        stored = put([keys[i] for i in kept], [ptrs[i] for i in kept], [sizes[i] for i in kept], *args, **kwargs)
+        with _group_ids_of(kept, len(keys), args, kwargs):
+            stored = put([keys[i] for i in kept], [ptrs[i] for i in kept], [sizes[i] for i in kept], *args, **kwargs)
         for index, result in zip(kept, stored):
             results[index] = result
     return results
+
+
+@contextmanager
+def _group_ids_of(kept: list[int], count: int, args, kwargs):
+    """With `enable_group_semantics` the connector's ReplicateConfig carries one group id per key,
+    and Mooncake rejects a batch whose id count differs from its key count (INVALID_PARAMS: the
+    good keys would never be stored). So for the put, the config holds the kept keys' ids only;
+    the caller's ids are put back after it."""
+    configs = [value for value in (*args, *kwargs.values())
+               if isinstance(getattr(value, "group_ids", None), list) and len(value.group_ids) == count]
+    saved = [config.group_ids for config in configs]
+    try:
+        for config, ids in zip(configs, saved):
+            config.group_ids = [ids[i] for i in kept]
+        yield
+    finally:
+        for config, ids in zip(configs, saved):
+            config.group_ids = ids
 

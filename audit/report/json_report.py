@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from audit.merge import SCHEMA, SCHEMA_VERSION
+from audit.judge.merge import SCHEMA, SCHEMA_VERSION
 from audit.records import Report
 from audit.report.output import ReportOutput, WholeReportSink
 

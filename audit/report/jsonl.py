@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from audit.merge import SCHEMA, SCHEMA_VERSION
+from audit.judge.merge import SCHEMA, SCHEMA_VERSION
 from audit.records import KeyRecord, Report
 from audit.report.output import ReportOutput
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from audit.errors import AuditError
-from audit.fetch import CudaBuffer, RegisteredBuffer
+from audit.readers.buffers import CudaBuffer, RegisteredBuffer
 
 DEVICES = ("auto", "cpu", "cuda")
 CHECKERS = ("numpy", "triton")

@@ -1,7 +1,7 @@
 """One command's flow: list keys, select, read and check them, merge the records, hand the
 report to a sink and the metrics to Prometheus.
 
-Ctrl-C, SIGTERM, a lost master or a deadline stop the scan between batches (`audit.stops`); the
+Ctrl-C, SIGTERM, a lost master or a deadline stop the scan between batches (`audit.run.stops`); the
 report, the checkpoint and the metrics are still written, marked interrupted (exit 3).
 """
 
@@ -15,23 +15,24 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from audit.connection import AdminClient, Settings, open_store
-from audit.device import Placement
+from audit.run.device import Placement
 from audit.errors import AuditError
-from audit.fetch import ALIGNMENT, LeaseReader
+from audit.readers.buffers import ALIGNMENT
+from audit.readers.lease import LeaseReader
 from audit.layouts import summarize
-from audit.merge import merge_records
-from audit.plan import CheckPlan
-from audit.progress import ScanProgress
+from audit.judge.merge import merge_records
+from audit.judge.plan import CheckPlan
+from audit.run.progress import ScanProgress
 from audit.records import KeyInfo, KeyRecord, Report, Verdict
-from audit.checkpoint import Checkpoint
+from audit.run.checkpoint import Checkpoint
 from audit.forensics.evidence import EvidenceStore
-from audit.metrics import export_metrics
-from audit.scan import scan_keys
-from audit.selection import select_keys
-from audit.sources import AdminListing, KeyFilter
-from audit.statedir import StateDir
-from audit.stops import Deadline, MasterWatch, StopOnSignals
-from audit.throttle import ThrottledReader
+from audit.report.metrics import export_metrics
+from audit.run.scan import scan_keys
+from audit.sources.selection import select_keys
+from audit.sources.listing import AdminListing, KeyFilter
+from audit.run.statedir import StateDir
+from audit.run.stops import Deadline, MasterWatch, StopOnSignals
+from audit.readers.throttle import ThrottledReader
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Fetching and checking overlap: while batch i is checked, batch i+1 is already being read into the
 other buffer. The function knows nothing about listing or output, so a coordinator (Ray, say)
-can hand each machine its share of keys and merge the records with `audit.merge`.
+can hand each machine its share of keys and merge the records with `audit.judge.merge`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from audit.fetch import FetchedBatch, plan_batches
-from audit.judge import judge_read
-from audit.plan import CheckPlan
+from audit.readers.buffers import FetchedBatch, plan_batches
+from audit.judge.key import judge_read
+from audit.judge.plan import CheckPlan
 from audit.readers.replicas import judge_replicas
 from audit.records import KeyInfo, KeyRecord
 

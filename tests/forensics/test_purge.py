@@ -7,7 +7,7 @@ import json
 
 from audit.connection import AdminClient
 from audit.forensics.evidence import key_file_name
-from audit.sources import AdminListing, KeyFilter
+from audit.sources.listing import AdminListing, KeyFilter
 from tests.helpers import run_cli, scan_json
 
 

@@ -18,8 +18,8 @@ from audit.forensics.diff import diff_document, diff_snapshots, print_diff
 from audit.forensics.snapshot import SCHEMA, SnapshotSink, open_snapshot
 from audit.keys import vllm_key
 from audit.layouts import layouts_from_hf_config
-from audit.orchestrator import ScanOptions, run_scan
-from audit.plan import CheckPlan
+from audit.run.orchestrator import ScanOptions, run_scan
+from audit.judge.plan import CheckPlan
 from audit.records import KeyRecord, Report
 
 TINY_MAMBA = {"model_type": "mamba", "hidden_size": 32, "intermediate_size": 64, "state_size": 4,

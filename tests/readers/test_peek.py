@@ -19,13 +19,15 @@ from mooncake.store import ReplicateConfig
 from audit.checks.host import HostChecker
 from audit.cluster import LocalCluster
 from audit.connection import AdminClient, open_store
-from audit.fetch import MOVED, NOT_PEEKABLE, LeaseReader, plan_batches
-from audit.judge import judge_read
+from audit.errors import MOVED, NOT_PEEKABLE
+from audit.readers.buffers import plan_batches
+from audit.readers.lease import LeaseReader
+from audit.judge.key import judge_read
 from audit.readers import PeekReader, apply_confirmation, judge_replicas
 from audit.readers.engine import RawRead, RawTransfer
 from audit.records import KeyInfo, Verdict
-from audit.scan import scan_keys
-from audit.sources import AdminListing, KeyFilter
+from audit.run.scan import scan_keys
+from audit.sources.listing import AdminListing, KeyFilter
 from tests.conftest import settings_for
 
 LEASE_TTL_MS = 2000

@@ -163,8 +163,28 @@ def test_guard_withholds_exactly_the_null_backed_keys(open_recording_store, sett
     for key in keys:
         withheld = {"withheld": True, "reason": "NULL_BLOCK_ID", "rc": WITHHELD_RESULT}
         assert ({name: records[key].get(name) for name in withheld} == withheld) == (key in null_backed)
-    tables = read_block_tables([record_dir])
-    assert {key for key, entry in tables.entries.items() if entry.null_backed} == null_backed
+    tables = read_block_tables([record_dir])  # withheld puts stored nothing: never a key's source
+    assert not any(entry.null_backed for entry in tables.entries.values())
+    assert set(tables.entries) == set(keys) - null_backed and tables.failed_puts == len(null_backed)
+
+
+def test_guard_drops_the_group_ids_of_withheld_keys(open_recording_store, settings, record_dir, namespace):
+    """vLLM's enable_group_semantics: one group id per key in the ReplicateConfig, which Mooncake
+    checks against the key count; a batch with a withheld key must still store the good ones."""
+    store = open_recording_store(guard=True)
+    producer = KVProducer(store, layers=2, num_blocks=6)
+    block_ids = [3, 0, 4]
+    keys = chunk_keys(namespace, len(block_ids))
+    config = mooncake.store.ReplicateConfig()
+    config.group_ids = [f"group-{i}" for i in range(len(keys))]
+    addrs = [producer.addresses(block_id) for block_id in block_ids]
+    sizes = [[producer.segment_len] * len(a) for a in addrs]
+
+    results = store.batch_put_from_multi_buffers(keys, addrs, sizes, config)
+
+    assert results == [0, WITHHELD_RESULT, 0]
+    assert store.batch_is_exist(keys) == [1, 0, 1]
+    assert config.group_ids == ["group-0", "group-1", "group-2"]  # the caller's config is left as it was
 
 
 def test_guard_with_every_key_withheld_never_calls_the_put(tmp_path):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 
-from tests import test_verdicts
+from tests.judge import test_verdicts
 from tests.helpers import run_cli
-from tests.test_verdicts import _layout_args
+from tests.judge.test_verdicts import _layout_args
 
 workload = test_verdicts.workload  # the fixture: keys with known defects, a tiny Mamba layout, a block table
 

@@ -15,7 +15,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from audit.statedir import StateDir
+from audit.run.statedir import StateDir
 from tests.helpers import run_cli
 
 

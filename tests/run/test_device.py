@@ -14,11 +14,11 @@ import sys
 import numpy as np
 import pytest
 
-from audit.device import _gpu_visible, _mooncake_has_cuda, resolve_placement
+from audit.run.device import _gpu_visible, _mooncake_has_cuda, resolve_placement
 from audit.errors import AuditError
 from audit.keys import vllm_key
 from tests.helpers import scan_json
-from tests.test_verdicts import LAYOUT, TINY_MAMBA, _value
+from tests.judge.test_verdicts import LAYOUT, TINY_MAMBA, _value
 
 VOLATILE = {"started_at", "finished_at", "duration_s", "bytes_per_s", "checker"}
 
@@ -49,7 +49,7 @@ def test_cuda_is_refused_where_there_is_none():
 
 @pytest.mark.skipif(_mooncake_has_cuda(), reason="pins a host with the non-CUDA Mooncake client")
 def test_auto_placement_never_imports_torch_where_the_client_cannot_use_a_gpu():
-    code = "import sys; from audit.device import resolve_placement; resolve_placement('auto'); print('torch' in sys.modules)"
+    code = "import sys; from audit.run.device import resolve_placement; resolve_placement('auto'); print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           cwd=os.path.dirname(os.path.dirname(__file__)))
     assert done.stdout.strip() == "False"

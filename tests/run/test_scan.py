@@ -6,7 +6,7 @@ import numpy as np
 import xxhash
 
 from audit.connection import AdminClient, open_store
-from audit.sources import AdminListing
+from audit.sources.listing import AdminListing
 from tests.helpers import by_key, scan_json
 
 HOSTILE_NAMES = [
@@ -102,10 +102,10 @@ def test_match_filters_by_regular_expression(publisher, cli_args, namespace):
 
 def test_key_removed_after_listing_is_vanished_not_a_finding(publisher, settings, namespace):
     from audit.checks.host import HostChecker
-    from audit.fetch import LeaseReader
-    from audit.merge import merge_records
-    from audit.scan import scan_keys
-    from audit.sources import KeyFilter
+    from audit.readers.lease import LeaseReader
+    from audit.judge.merge import merge_records
+    from audit.run.scan import scan_keys
+    from audit.sources.listing import KeyFilter
 
     for name in ("stays", "goes"):
         publisher.put(namespace + name, b"\x05" * 5000)

@@ -14,9 +14,9 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from audit.checks.floats import FLOAT_DTYPES, count_nonfinite
 from audit.checks.types import RegionCheck
-from audit.kernels import xxh3_constants as xc
-from audit.kernels.float_masks import float_word_masks
-from audit.kernels.region_kernel import region_check_kernel
+from audit.checks.kernels import xxh3_constants as xc
+from audit.checks.kernels.float_masks import float_word_masks
+from audit.checks.kernels.region_kernel import region_check_kernel
 
 DTYPES = frozenset({"raw", "uint8", "int8", "int32", "int64", *FLOAT_DTYPES})
 
@@ -47,7 +47,7 @@ def _validate(buf: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray, dtype
     if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
         raise ValueError(f"buf must be a contiguous 1-D uint8 tensor, got {buf.dtype} {tuple(buf.shape)}")
     if buf.device.type == "cpu" and not isinstance(region_check_kernel, InterpretedFunction):
-        raise ValueError("a CPU buffer needs TRITON_INTERPRET=1 set before audit.kernels is imported")
+        raise ValueError("a CPU buffer needs TRITON_INTERPRET=1 set before audit.checks.kernels is imported")
     if not len(offsets) == len(lengths) == len(dtypes):
         raise ValueError("offsets, lengths and dtypes must have the same length")
     outside = (offsets < 0) | (lengths < 0) | (offsets + lengths > buf.numel())

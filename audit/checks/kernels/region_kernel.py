@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from audit.kernels import xxh3_constants as xc
+from audit.checks.kernels import xxh3_constants as xc
 
 _LANES = tl.constexpr(xc.LANES)
 _STRIPES_PER_BLOCK = tl.constexpr(xc.STRIPES_PER_BLOCK)

@@ -21,7 +21,7 @@ import xxhash  # noqa: E402
 
 from audit.checks.floats import FLOAT_DTYPES, count_nonfinite  # noqa: E402
 from audit.checks.types import RegionCheck  # noqa: E402
-from audit.kernels import check_regions, launcher  # noqa: E402
+from audit.checks.kernels import check_regions, launcher  # noqa: E402
 
 INTERPRETED = os.environ["TRITON_INTERPRET"] == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -214,9 +214,9 @@ def test_empty_batch_and_bad_input():
 COMPILE_FOR_SM90 = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
-    from audit.kernels.float_masks import float_word_masks
-    from audit.kernels.launcher import BLOCKS_PER_STEP
-    from audit.kernels.region_kernel import region_check_kernel
+    from audit.checks.kernels.float_masks import float_word_masks
+    from audit.checks.kernels.launcher import BLOCKS_PER_STEP
+    from audit.checks.kernels.region_kernel import region_check_kernel
 
     pointers = {"buf_ptr": "*u8", "offsets_ptr": "*i64", "lengths_ptr": "*i64", "secret_ptr": "*i64",
                 "out_ptr": "*i64"}

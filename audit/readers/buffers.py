@@ -1,0 +1,108 @@
+"""Where fetched bytes land: registered host or CUDA buffers, and batches packed to fit them.
+
+Batches are bounded by bytes (one buffer half) and by `MAX_KEYS_PER_BATCH` (larger TCP batches
+overflow Mooncake's per-peer queue, FACTS §3). Every value starts on a cache line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from audit.records import KeyInfo
+
+MAX_KEYS_PER_BATCH = 1000
+ALIGNMENT = 64  # every value starts on a cache line: word views and GPU loads stay aligned
+
+def _aligned(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+@dataclass(slots=True)
+class Slot:
+    key: KeyInfo
+    offset: int
+
+
+def plan_batches(keys: Sequence[KeyInfo], capacity: int,
+                 max_keys: int = MAX_KEYS_PER_BATCH) -> Iterator[list[Slot]]:
+    """Pack keys, in order, into batches that fit `capacity` bytes and `max_keys` keys."""
+    batch: list[Slot] = []
+    used = 0
+    for key in keys:
+        size = _aligned(key.size or 0)
+        if batch and (used + size > capacity or len(batch) >= max_keys):
+            yield batch
+            batch, used = [], 0
+        batch.append(Slot(key, used))
+        used += size
+    if batch:
+        yield batch
+
+
+class RegisteredBuffer:
+    """Host memory registered with the store so transfers land in it directly."""
+
+    def __init__(self, store, nbytes: int):
+        self.store = store
+        self.array = np.empty(max(nbytes, ALIGNMENT), dtype=np.uint8)
+        self.array.fill(0)  # touch the pages now, not during the first transfer
+        rc = store.register_buffer(self.array.ctypes.data, self.array.nbytes)
+        if rc != 0:
+            raise MemoryError(f"register_buffer of {nbytes} bytes failed ({rc})")
+
+    @property
+    def nbytes(self) -> int:
+        return self.array.nbytes
+
+    @property
+    def address(self) -> int:
+        return self.array.ctypes.data
+
+    def release(self) -> None:
+        self.store.unregister_buffer(self.address)
+
+
+class CudaBuffer:
+    """GPU memory (a torch tensor) registered with the store: values land in HBM with no host
+    bounce, for the Triton checker. Needs the CUDA build of the Mooncake client."""
+
+    def __init__(self, store, nbytes: int):
+        import torch
+
+        self.store = store
+        self.array = torch.empty(max(nbytes, ALIGNMENT), dtype=torch.uint8, device="cuda")
+        rc = store.register_buffer(self.array.data_ptr(), self.array.numel())
+        if rc != 0:
+            raise MemoryError(f"register_buffer of {nbytes} bytes of GPU memory failed ({rc})")
+
+    @property
+    def nbytes(self) -> int:
+        return self.array.numel()
+
+    @property
+    def address(self) -> int:
+        return self.array.data_ptr()
+
+    def release(self) -> None:
+        self.store.unregister_buffer(self.address)
+
+
+@dataclass
+class FetchedBatch:
+    slots: list[Slot]
+    results: list[int]          # bytes read, or a negative Mooncake error code
+    buffer: RegisteredBuffer
+    one_off: bool = False
+    # Per slot, one entry per replica read ({"endpoint", "address", "size", "xxh3", "status"}),
+    # from readers that read every replica (audit.readers.PeekReader); None from LeaseReader.
+    replicas: list[list[dict]] | None = None
+
+    def view(self, slot: Slot, length: int) -> np.ndarray:
+        return self.buffer.array[slot.offset: slot.offset + length]
+
+    def release(self) -> None:
+        if self.one_off:
+            self.buffer.release()
