@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -120,6 +121,62 @@ Pushgateway = Annotated[Optional[str], typer.Option("--pushgateway", envvar="MOO
                                                     help="Prometheus Pushgateway URL.")]
 
 
+# Option groups, each declared once by a signature and given to every command that takes it (`_takes`).
+def _connection_options(master: Master = None, metadata: Metadata = None, admin: Admin = None,
+                        protocol: Protocol = None, device_name: DeviceName = None,
+                        local_hostname: LocalHostname = None, config: Config = None) -> None:
+    """The cluster to audit."""
+
+
+def _key_options(prefix: Prefix = "", match: Match = None) -> None:
+    """Which keys."""
+
+
+def _read_options(buffer_mb: BufferMb = 256, device: Device = "auto", checker: Checker = None) -> None:
+    """Where values land and what checks them."""
+
+
+def _model_options(model_config: ModelConfig = None, model: ModelName = None, tp_size: TpSize = 1,
+                   state_dtype: StateDtype = "bfloat16", ssm_dtype: SsmDtype = None, block_size: BlockSize = None,
+                   conv_layout: ConvLayout = "SD", layout: LayoutFile = None,
+                   layout_for_all: LayoutForAll = False) -> None:
+    """The layout values follow."""
+
+
+def _block_table_options(block_tables: BlockTablesOpt = None, lenient: Lenient = False) -> None:
+    """The producer's block tables."""
+
+
+def _report_options(fmt: Format = "human", output: Output = None, include_all: All = False) -> None:
+    """The report."""
+
+
+def _progress_option(progress: ShowProgress = None) -> None:
+    """Progress on stderr."""
+
+
+def _declared(*groups) -> list[inspect.Parameter]:
+    return [parameter for group in groups for parameter in inspect.signature(group, eval_str=True).parameters.values()]
+
+
+def _takes(*groups, after=()):
+    """A command's options: its own positional parameters, the `groups`, its own keyword-only
+    parameters, then the `after` groups, in that order on --help. The command receives the groups'
+    values in `**options`; typer reads the signature built here."""
+    def decorate(command):
+        own = inspect.signature(command, eval_str=True).parameters.values()
+        leading = [p for p in own if p.kind is p.POSITIONAL_OR_KEYWORD]
+        trailing = [p.replace(kind=p.POSITIONAL_OR_KEYWORD) for p in own if p.kind is p.KEYWORD_ONLY]
+        command.__signature__ = inspect.Signature(leading + _declared(*groups) + trailing + _declared(*after))
+        return command
+    return decorate
+
+
+def _pick(options: dict, *groups) -> dict:
+    """The values of `groups`, taken out of a command's `options`."""
+    return {p.name: options.pop(p.name) for p in _declared(*groups) if p.name in options}
+
+
 def fail(message: str, code: int = 2) -> typer.Exit:
     """One line on stderr, no traceback."""
     typer.echo(f"mooncake-audit: error: {printable(message, 400)}", err=True)
@@ -138,7 +195,7 @@ def _settings(master, metadata, admin, protocol, device_name, local_hostname, co
 
 
 def _plan(model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv_layout, layout, layout_for_all,
-          block_tables, lenient, include_all):
+          block_tables=None, lenient=False, include_all=False):
     from audit.blocktables import read_block_tables
     from audit.judge.plan import CheckPlan, load_layouts
 
@@ -150,109 +207,79 @@ def _plan(model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv
     return CheckPlan(layouts=layouts, layout_for_all=layout_for_all, tables=tables, keep_regions=include_all)
 
 
-def _scan_report(connection: tuple, plan_args: tuple, include_all: bool, progress, sink, **scan_options):
-    """The pipeline every scanning command shares: options in, report out (AuditError on failure)."""
+def _scan_report(options: dict, include_all: bool, progress, sink, **scan_options):
+    """The pipeline every scanning command shares: the connection, model and block-table options in
+    `options`, the scan's own in `scan_options`; report out (AuditError on failure)."""
     from audit.run.device import resolve_placement
     from audit.run.orchestrator import ScanOptions, run_scan
     from audit.sources.selection import parse_sample
 
-    scan_options["placement"] = resolve_placement(scan_options.pop("device"), scan_options.pop("checker"),
+    scan_options["placement"] = resolve_placement(scan_options.pop("device", "cpu"), scan_options.pop("checker", None),
                                                   scan_options.get("read_mode", "lease"))
     scan_options["sample"] = parse_sample(scan_options.get("sample"))
-    settings = _settings(*connection)
-    plan = _plan(*plan_args, include_all)
+    settings = _settings(**_pick(options, _connection_options))
+    plan = _plan(**_pick(options, _model_options, _block_table_options), include_all=include_all)
     return run_scan(settings, ScanOptions(plan=plan, **scan_options), sink(), ScanProgress(progress))
 
 
-def _run(connection: tuple, plan_args: tuple, fmt: str, output, include_all: bool, progress, **scan_options):
+def _run(options: dict, **scan_options):
     """The body `scan` and `check` share: run, exit with the report's code."""
+    report_options = _pick(options, _report_options, _progress_option)
+    fmt, output, include_all = report_options["fmt"], report_options["output"], report_options["include_all"]
     _check_choice("--format", fmt, FORMATS)
     _check_choice("--read-mode", scan_options.get("read_mode"), ("lease", "peek"))
     if scan_options.get("resume") and scan_options.get("checkpoint") is None:
         raise fail("--resume needs --checkpoint PATH")
     try:
-        report = _scan_report(connection, plan_args, include_all, progress,
-                              lambda: make_sink(fmt, output, include_all=include_all), **scan_options)
+        report = _scan_report(options, include_all, report_options["progress"],
+                              lambda: make_sink(fmt, output, include_all=include_all),
+                              **_pick(options, _key_options, _read_options), **scan_options)
     except AuditError as error:
         raise fail(str(error)) from None
     raise typer.Exit(report.exit_code)
 
 
+SCANNING = (_connection_options, _key_options, _read_options, _model_options, _block_table_options)
+
+
 @app.command()
-def scan(
-    master: Master = None, metadata: Metadata = None, admin: Admin = None, protocol: Protocol = None,
-    device_name: DeviceName = None, local_hostname: LocalHostname = None, config: Config = None,
-    prefix: Prefix = "", match: Match = None, buffer_mb: BufferMb = 256,
-    device: Device = "auto", checker: Checker = None,
-    model_config: ModelConfig = None, model: ModelName = None, tp_size: TpSize = 1,
-    state_dtype: StateDtype = "bfloat16", ssm_dtype: SsmDtype = None, block_size: BlockSize = None,
-    conv_layout: ConvLayout = "SD", layout: LayoutFile = None, layout_for_all: LayoutForAll = False,
-    block_tables: BlockTablesOpt = None, lenient: Lenient = False,
-    checkpoint: CheckpointOpt = None, resume: Resume = False, evidence: EvidenceDir = None,
-    read_mode: ReadMode = "lease",
-    fmt: Format = "human", output: Output = None, include_all: All = False, progress: ShowProgress = None,
-) -> None:
+@_takes(*SCANNING, after=(_report_options, _progress_option))
+def scan(*, checkpoint: CheckpointOpt = None, resume: Resume = False, evidence: EvidenceDir = None,
+         read_mode: ReadMode = "lease", **options) -> None:
     """List every key, read every value, report digests, zero values, shared content and, with a
     layout or block tables, the vLLM #53084 verdicts.
 
     Exit codes: 0 clean, 1 findings, 2 could not run, 3 incomplete.
     """
-    _run((master, metadata, admin, protocol, device_name, local_hostname, config),
-         (model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv_layout, layout, layout_for_all,
-          block_tables, lenient), fmt, output, include_all, progress,
-         prefix=prefix, match=match, buffer_mb=buffer_mb, device=device, checker=checker,
-         checkpoint=checkpoint, resume=resume, evidence_dir=evidence, read_mode=read_mode)
+    _run(options, checkpoint=checkpoint, resume=resume, evidence_dir=evidence, read_mode=read_mode)
 
 
 @app.command()
-def check(
-    master: Master = None, metadata: Metadata = None, admin: Admin = None, protocol: Protocol = None,
-    device_name: DeviceName = None, local_hostname: LocalHostname = None, config: Config = None,
-    prefix: Prefix = "", match: Match = None, buffer_mb: BufferMb = 256,
-    device: Device = "auto", checker: Checker = None,
-    model_config: ModelConfig = None, model: ModelName = None, tp_size: TpSize = 1,
-    state_dtype: StateDtype = "bfloat16", ssm_dtype: SsmDtype = None, block_size: BlockSize = None,
-    conv_layout: ConvLayout = "SD", layout: LayoutFile = None, layout_for_all: LayoutForAll = False,
-    block_tables: BlockTablesOpt = None, lenient: Lenient = False,
-    sample: Sample = None, seed: Seed = 0, state_dir: StateDirOpt = None, deadline: Deadline = None,
-    max_bandwidth: MaxBandwidth = None, checkpoint: CheckpointOpt = None, resume: Resume = False,
-    prom_file: PromFile = None, pushgateway: Pushgateway = None, evidence: EvidenceDir = None,
-    read_mode: ReadMode = "peek",
-    fmt: Format = "human", output: Output = None, include_all: All = False, progress: ShowProgress = None,
-) -> None:
+@_takes(*SCANNING, after=(_report_options, _progress_option))
+def check(*, sample: Sample = None, seed: Seed = 0, state_dir: StateDirOpt = None, deadline: Deadline = None,
+          max_bandwidth: MaxBandwidth = None, checkpoint: CheckpointOpt = None, resume: Resume = False,
+          prom_file: PromFile = None, pushgateway: Pushgateway = None, evidence: EvidenceDir = None,
+          read_mode: ReadMode = "peek", **options) -> None:
     """The scan tuned for cron: sampling, a deadline, a bandwidth limit, a lock, metrics.
 
     Exit codes: 0 clean, 1 findings, 2 could not run (or another check holds the lock), 3 incomplete.
     """
-    _run((master, metadata, admin, protocol, device_name, local_hostname, config),
-         (model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv_layout, layout, layout_for_all,
-          block_tables, lenient), fmt, output, include_all, progress,
-         prefix=prefix, match=match, buffer_mb=buffer_mb, device=device, checker=checker, sample=sample, seed=seed,
-         state_dir=state_dir, deadline_s=deadline, max_bandwidth=max_bandwidth, checkpoint=checkpoint,
-         resume=resume, prom_file=prom_file, pushgateway=pushgateway, evidence_dir=evidence, read_mode=read_mode)
+    _run(options, sample=sample, seed=seed, state_dir=state_dir, deadline_s=deadline, max_bandwidth=max_bandwidth,
+         checkpoint=checkpoint, resume=resume, prom_file=prom_file, pushgateway=pushgateway, evidence_dir=evidence,
+         read_mode=read_mode)
 
 
 @app.command()
-def snapshot(
-    output: Annotated[Path, typer.Option("--output", "-o", help="The snapshot file (SQLite) to write.")],
-    master: Master = None, metadata: Metadata = None, admin: Admin = None, protocol: Protocol = None,
-    device_name: DeviceName = None, local_hostname: LocalHostname = None, config: Config = None,
-    prefix: Prefix = "", match: Match = None, buffer_mb: BufferMb = 256,
-    device: Device = "auto", checker: Checker = None,
-    model_config: ModelConfig = None, model: ModelName = None, tp_size: TpSize = 1,
-    state_dtype: StateDtype = "bfloat16", ssm_dtype: SsmDtype = None, block_size: BlockSize = None,
-    conv_layout: ConvLayout = "SD", layout: LayoutFile = None, layout_for_all: LayoutForAll = False,
-    block_tables: BlockTablesOpt = None, lenient: Lenient = False, progress: ShowProgress = None,
-) -> None:
+@_takes(*SCANNING, after=(_progress_option,))
+def snapshot(output: Annotated[Path, typer.Option("--output", "-o", help="The snapshot file (SQLite) to write.")],
+             **options) -> None:
     """Digests of every key and region, with parsed fields, sizes and time, streamed into SQLite."""
     from audit.forensics.snapshot import SnapshotSink
 
+    progress = options.pop("progress")
     try:
         with SnapshotSink(output) as sink:
-            report = _scan_report((master, metadata, admin, protocol, device_name, local_hostname, config),
-                                  (model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv_layout,
-                                   layout, layout_for_all, block_tables, lenient), True, progress, lambda: sink,
-                                  prefix=prefix, match=match, buffer_mb=buffer_mb, device=device, checker=checker)
+            report = _scan_report(options, True, progress, lambda: sink, **_pick(options, _key_options, _read_options))
     except AuditError as error:
         raise fail(str(error)) from None
     typer.echo(f"snapshot of {report.summary['keys_scanned']} keys written to {printable(str(output))}", err=True)
@@ -260,16 +287,13 @@ def snapshot(
 
 
 @app.command()
+@_takes(_connection_options, _model_options)
 def diff(
     a: Annotated[Path, typer.Argument(help="A snapshot (the earlier one).")],
     b: Annotated[Optional[Path], typer.Argument(help="A later snapshot; omit it with --live.")] = None,
-    live: Annotated[bool, typer.Option("--live", help="Compare A with the cluster as it is now.")] = False,
-    master: Master = None, metadata: Metadata = None, admin: Admin = None, protocol: Protocol = None,
-    device_name: DeviceName = None, local_hostname: LocalHostname = None, config: Config = None,
-    model_config: ModelConfig = None, model: ModelName = None, tp_size: TpSize = 1,
-    state_dtype: StateDtype = "bfloat16", ssm_dtype: SsmDtype = None, block_size: BlockSize = None,
-    conv_layout: ConvLayout = "SD", layout: LayoutFile = None, layout_for_all: LayoutForAll = False,
+    live: Annotated[bool, typer.Option("--live", help="Compare A with the cluster as it is now.")] = False, *,
     fmt: Annotated[str, typer.Option("--format", help="human or json")] = "human", output: Output = None,
+    **options,
 ) -> None:
     """Keys added, removed and changed between two snapshots, or a snapshot and the live cluster.
 
@@ -294,11 +318,8 @@ def diff(
                     filters = (earlier.meta.get("summary") or {}).get("filters") or {}
                 b = Path(work) / "live.db"
                 with SnapshotSink(b) as sink:
-                    _scan_report((master, metadata, admin, protocol, device_name, local_hostname, config),
-                                 (model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv_layout,
-                                  layout, layout_for_all, None, False), True, False, lambda: sink,
-                                 prefix=filters.get("prefix") or "", match=filters.get("match"), device="cpu",
-                                 checker=None, read_mode="peek")
+                    _scan_report(options, True, False, lambda: sink, prefix=filters.get("prefix") or "",
+                                 match=filters.get("match"), device="cpu", read_mode="peek")
             result = diff_snapshots(a, b)
             out = ReportOutput(output)
             if fmt == "json":
@@ -313,6 +334,7 @@ def diff(
 
 
 @app.command()
+@_takes(_connection_options, _key_options, _model_options, _block_table_options)
 def purge(
     report_path: Annotated[Optional[Path], typer.Argument(
         metavar="[REPORT]", help="A JSON/JSONL report whose findings to remove; omit it to scan the live cluster.")] = None,
@@ -323,13 +345,7 @@ def purge(
                                                      show_default="./mooncake-audit-evidence-<time>")] = None,
     log: Annotated[Optional[Path], typer.Option("--log", help="Append every outcome here (JSONL).",
                                                 show_default="purge-log.jsonl beside the evidence")] = None,
-    master: Master = None, metadata: Metadata = None, admin: Admin = None, protocol: Protocol = None,
-    device_name: DeviceName = None, local_hostname: LocalHostname = None, config: Config = None,
-    prefix: Prefix = "", match: Match = None,
-    model_config: ModelConfig = None, model: ModelName = None, tp_size: TpSize = 1,
-    state_dtype: StateDtype = "bfloat16", ssm_dtype: SsmDtype = None, block_size: BlockSize = None,
-    conv_layout: ConvLayout = "SD", layout: LayoutFile = None, layout_for_all: LayoutForAll = False,
-    block_tables: BlockTablesOpt = None, lenient: Lenient = False,
+    **options,
 ) -> None:
     """Remove flagged keys: dry run unless --yes; evidence saved first; keys changed since the scan
     are never removed. Exit codes: 0 done, 2 could not run, 3 some keys were not removed."""
@@ -341,20 +357,18 @@ def purge(
 
     if report_path is None and not verdict:
         raise fail("give a REPORT, or --verdict V to purge what a scan of the live cluster flags")
-    connection = (master, metadata, admin, protocol, device_name, local_hostname, config)
+    connection = _pick(dict(options), _connection_options)
     try:
         with tempfile.TemporaryDirectory(prefix="mooncake-audit-purge-") as work:
             if report_path is None:
                 report_path = Path(work) / "scan.json"
-                _scan_report(connection, (model_config, model, tp_size, state_dtype, ssm_dtype, block_size,
-                                          conv_layout, layout, layout_for_all, block_tables, lenient), False, None,
-                             lambda: JsonSink(report_path), prefix=prefix, match=match, device="cpu", checker=None,
-                             read_mode="peek")  # no leases: the removals that follow are not refused
+                _scan_report(options, False, None, lambda: JsonSink(report_path), **_pick(options, _key_options),
+                             device="cpu", read_mode="peek")  # no leases: the removals that follow are not refused
             targets = targets_from_report(report_path, verdict or ())
             stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
             evidence = evidence or Path(f"mooncake-audit-evidence-{stamp}")
             log = log or evidence / "purge-log.jsonl"
-            outcomes = run_purge(_settings(*connection), targets, execute=yes, force=force,
+            outcomes = run_purge(_settings(**connection), targets, execute=yes, force=force,
                                  evidence_dir=evidence if yes else None,
                                  on_outcome=lambda o: typer.echo(f"{o.action:12} {printable(o.key)}"))
             if yes:
@@ -435,16 +449,9 @@ def report(
 
 
 @app.command()
-def explain(
-    key: Annotated[str, typer.Argument(help="The exact key name.")],
-    master: Master = None, metadata: Metadata = None, admin: Admin = None, protocol: Protocol = None,
-    device_name: DeviceName = None, local_hostname: LocalHostname = None, config: Config = None,
-    model_config: ModelConfig = None, model: ModelName = None, tp_size: TpSize = 1,
-    state_dtype: StateDtype = "bfloat16", ssm_dtype: SsmDtype = None, block_size: BlockSize = None,
-    conv_layout: ConvLayout = "SD", layout: LayoutFile = None, layout_for_all: LayoutForAll = False,
-    block_tables: BlockTablesOpt = None, lenient: Lenient = False,
-    fmt: Annotated[str, typer.Option("--format", help="human or json")] = "human",
-) -> None:
+@_takes(_connection_options, _model_options, _block_table_options)
+def explain(key: Annotated[str, typer.Argument(help="The exact key name.")], *,
+            fmt: Annotated[str, typer.Option("--format", help="human or json")] = "human", **options) -> None:
     """Everything about one key: per region zero, NaN/Inf, digest, min/max/mean, first bytes, and
     the block-table records that name it."""
     from audit.explain import explain_key
@@ -452,9 +459,8 @@ def explain(
 
     _check_choice("--format", fmt, ("human", "json"))
     try:
-        settings = _settings(master, metadata, admin, protocol, device_name, local_hostname, config)
-        plan = _plan(model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv_layout, layout,
-                     layout_for_all, block_tables, lenient, True)
+        settings = _settings(**_pick(options, _connection_options))
+        plan = _plan(**_pick(options, _model_options, _block_table_options), include_all=True)
         document = explain_key(settings, key, plan)
     except AuditError as error:
         raise fail(str(error)) from None
@@ -467,10 +473,9 @@ def explain(
 
 
 @app.command()
+@_takes(_connection_options)
 def simulate(
-    out: Annotated[Path, typer.Option("--out", help="Directory for block tables, labels and layout.")],
-    master: Master = None, metadata: Metadata = None, admin: Admin = None, protocol: Protocol = None,
-    device_name: DeviceName = None, local_hostname: LocalHostname = None, config: Config = None,
+    out: Annotated[Path, typer.Option("--out", help="Directory for block tables, labels and layout.")], *,
     preset: Annotated[str, typer.Option("--preset", help="tiny-mamba1, tiny-mamba2 or mamba-130m.")] = "tiny-mamba1",
     model_config: Annotated[Optional[Path], typer.Option("--model-config", help="A mamba/mamba2 config.json instead of a preset.")] = None,
     model: Annotated[Optional[str], typer.Option("--model", help="Model name in keys.", show_default="the preset's")] = None,
@@ -482,6 +487,7 @@ def simulate(
     null_block_fill: Annotated[str, typer.Option(help="Bytes of block 0: zero or garbage.")] = "zero",
     inject_nan: Annotated[int, typer.Option(min=0)] = 0, truncate: Annotated[int, typer.Option(min=0)] = 0,
     zero_layers: Annotated[int, typer.Option(min=0)] = 0, tricky_good: Annotated[int, typer.Option(min=0)] = 0,
+    **options,
 ) -> None:
     """Publish a labelled vLLM #53084 workload into a cluster (writes to the store: not for production)."""
     from audit.layouts import load_hf_config
@@ -492,7 +498,7 @@ def simulate(
     _check_choice("--preset", preset, tuple(presets))
     _check_choice("--null-block-fill", null_block_fill, ("zero", "garbage"))
     try:
-        settings = _settings(master, metadata, admin, protocol, device_name, local_hostname, config)
+        settings = _settings(**options)
         model_dict = load_hf_config(model_config) if model_config else presets[preset]
         name = model or (model_config.resolve().parent.name if model_config else
                          {"mamba-130m": "mamba-130m-hf"}.get(preset, preset))
