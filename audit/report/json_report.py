@@ -25,6 +25,7 @@ def report_document(report: Report, *, include_all: bool) -> dict:
 class JsonSink(WholeReportSink):
     def finish(self, report: Report) -> None:
         out = ReportOutput(self.output)
-        json.dump(report_document(report, include_all=self.include_all), out.stream, indent=1)
-        out.write("\n")
+        # One compact line from the C encoder: with `indent`, json falls back to its Python encoder,
+        # which cost a mamba-130m scan of 1,200 keys a second (57,000 small writes). `jq .` indents.
+        out.write(json.dumps(report_document(report, include_all=self.include_all)) + "\n")
         out.close()
