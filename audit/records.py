@@ -20,6 +20,9 @@ class Verdict(StrEnum):
     NONFINITE = "NONFINITE"                # NaN or Inf in a state or KV region
     SIZE_MISMATCH = "SIZE_MISMATCH"        # the value's size is not its layout's
     REPLICA_DIVERGENT = "REPLICA_DIVERGENT"  # two replicas of the key hold different bytes
+    # Cross-key findings from key names, sizes and digests (docs/verdicts.md).
+    INCOMPLETE_CHUNK = "INCOMPLETE_CHUNK"  # a member its producer publishes with this key is missing
+    IDENTITY_SUSPECT = "IDENTITY_SUSPECT"  # size or bytes unlike the producer the name claims
     # Recorded, not a finding: the key went away or changed between listing and reading.
     VANISHED = "VANISHED"                  # -704
     MOVED = "MOVED"                        # a lease-free read raced a change: the descriptor moved
@@ -30,7 +33,8 @@ class Verdict(StrEnum):
 
 FINDINGS = frozenset({Verdict.ZERO_VALUE, Verdict.SHARED_CONTENT, Verdict.CHECKSUM_MISMATCH,
                       Verdict.NULL_BACKED, Verdict.ZERO_STATE, Verdict.PARTIAL_ZERO, Verdict.NONFINITE,
-                      Verdict.SIZE_MISMATCH, Verdict.REPLICA_DIVERGENT})
+                      Verdict.SIZE_MISMATCH, Verdict.REPLICA_DIVERGENT, Verdict.INCOMPLETE_CHUNK,
+                      Verdict.IDENTITY_SUSPECT})
 INCOMPLETE = frozenset({Verdict.UNREACHABLE, Verdict.READ_ERROR})
 
 

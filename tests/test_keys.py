@@ -1,3 +1,5 @@
+import pytest
+
 from audit.keys import parse_key, vllm_key
 
 
@@ -32,3 +34,35 @@ def test_sglang_hicache_keys():
 def test_anything_else_is_opaque():
     for key in ["hello", "a@b", "x\n@tp_rank:0", "", "[red]x[/]"]:
         assert parse_key(key) == {"scheme": "opaque"}
+
+
+# Store-TP namespaces (vLLM 0.32.0 store/worker.py _select_store_tp_layout) sit between the model
+# and @tp_rank: they must parse, and never leak into cache_prefix/model.
+@pytest.mark.parametrize("namespace, extra", [
+    ("@store_pp:1@store_format:tp_shared_mqa", {"store_pp": 1, "store_format": "tp_shared_mqa"}),
+    ("@store_tp:4@store_pp:1@store_format:tp_shared_lbhnc",
+     {"store_tp": 4, "store_pp": 1, "store_format": "tp_shared_lbhnc"}),
+    ("@store_tp:8@store_pp:2@store_format:tp_shared_lbnhc",
+     {"store_tp": 8, "store_pp": 2, "store_format": "tp_shared_lbnhc"}),
+    ("@store_pp:1@store_format:rank_local_tp2_layout_LBHNC",
+     {"store_pp": 1, "store_format": "rank_local_tp2_layout_LBHNC", "producer_tp": 2}),
+])
+@pytest.mark.parametrize("cache_prefix", ["", "team@a"])
+def test_store_tp_keys_parse(namespace, extra, cache_prefix):
+    key = vllm_key("Qwen3-8B", "ab12", tp_rank=3, group=1, cache_prefix=cache_prefix, store_namespace=namespace)
+    expected = {"scheme": "vllm", "model": "Qwen3-8B", "tp_rank": 3, "pcp": 0, "dcp": 0, "pp_rank": 0,
+                "group": 1, "chunk_hash": "ab12", **extra}
+    if cache_prefix:
+        expected["cache_prefix"] = cache_prefix
+    assert parse_key(key) == expected
+
+
+@pytest.mark.parametrize("key", [
+    "m@store_pp:1@store_format:unknown_format@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@ab12",
+    "m@store_format:tp_shared_mqa@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@ab12",  # no store_pp
+    "m@tp_rank:x@pcp0@dcp0@pp_rank:0@group:0@ab12",
+    "m@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@not-hex",
+    "m@tp_rank:0@pcp0@dcp0@group:0@ab12",  # no pp_rank
+])
+def test_near_vllm_keys_are_unparsed_not_half_parsed(key):
+    assert parse_key(key) == {"scheme": "opaque"}

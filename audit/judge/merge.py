@@ -1,6 +1,7 @@
 """Merging per-key records into one report: a function of its own, so that records produced by
 several auditors (each scanning its share of the keys) merge into the same report one auditor
-would write. Cross-key verdicts (SHARED_CONTENT) are decided here, never per shard."""
+would write. Cross-key verdicts (SHARED_CONTENT, INCOMPLETE_CHUNK, IDENTITY_SUSPECT) are decided
+here, never per shard."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 
 from audit import __version__
+from audit.judge.chunks import ChunkIndex, mark_chunks
 from audit.records import KeyRecord, Report, Verdict
 
 SCHEMA = "mooncake-audit/report"
@@ -44,11 +46,13 @@ def exit_code_for(findings: int, incomplete: bool) -> int:
 
 
 def merge_records(records: Iterable[KeyRecord], *, context: dict, keys_listed: int,
-                  keys_selected: int | None = None, interrupted: bool = False, duration_s: float = 0.0) -> Report:
+                  keys_selected: int | None = None, interrupted: bool = False, duration_s: float = 0.0,
+                  chunks: ChunkIndex | None = None) -> Report:
     """One report from per-key records; `context` (cluster, options, times) goes into the summary.
 
     `keys_selected`: how many of the listed keys this run meant to read (a sample); completeness is
-    judged against it.
+    judged against it. `chunks`: every listed key, for the chunk checks (a sample reads only some
+    members of a chunk, but the listing has them all); without it, the records' keys.
     """
     keys_selected = keys_listed if keys_selected is None else keys_selected
     records = list(records)
@@ -57,6 +61,7 @@ def merge_records(records: Iterable[KeyRecord], *, context: dict, keys_listed: i
             record.verdicts.remove(Verdict.SHARED_CONTENT)
             record.evidence.pop("shared_content", None)
     groups = _shared_groups(records)
+    chunk_summary = mark_chunks(records, chunks)
     verdicts = Counter(v for record in records for v in record.verdicts)
     findings = sum(1 for record in records if record.is_finding)
     unread = sum(1 for record in records if record.is_incomplete)
@@ -77,6 +82,7 @@ def merge_records(records: Iterable[KeyRecord], *, context: dict, keys_listed: i
         "findings": findings,
         "verdicts": dict(sorted(verdicts.items())),
         "shared_groups": len(groups),
+        **({"chunks": chunk_summary} if chunk_summary is not None else {}),
         "interrupted": interrupted,
         "complete": not incomplete,
         "exit_code": exit_code_for(findings, incomplete),

@@ -1,8 +1,11 @@
-"""Layouts built from a Hugging Face ``config.json``, the way vLLM reads the same fields.
+"""Layouts built from a Hugging Face ``config.json``, the way vLLM 0.32.0 reads the same fields.
 
 Field choices follow each vLLM model's ``get_mamba_state_shape_from_config`` (``mamba.py``,
-``mamba2.py``, ``qwen3_next.py``, ``lfm2.py``, ``nemotron_h.py``); unknown model types are
-refused rather than guessed, because a wrong layout turns every verdict wrong.
+``mamba2.py``, ``jamba.py``, ``falcon_h1.py``, ``granitemoehybrid.py``, ``zamba2.py``,
+``qwen3_next.py``, ``qwen3_5.py``, ``lfm2.py``, ``nemotron_h.py``) and, for attention, vLLM's
+``ModelConfig.get_num_kv_heads`` / ``get_head_size``. A config with recurrent-state fields of an
+unknown model type is refused rather than guessed, because a wrong layout turns every verdict
+wrong; a config with attention fields only gets the generic K/V layout.
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .hybrid import ATTENTION, STATE, state_model_layouts
-from .model import LayoutError, Layout, canonical_dtype
+from .dtypes import DEFAULT_PLATFORM, resolve_dtypes
+from .hybrid import ATTENTION, PLATFORM_BLOCKS, SLIDING, STATE, state_model_layouts
+from .model import LayoutError, Layout
 from .pages import AttentionShape
 from .states import gdn_states, mamba1_states, mamba2_states, short_conv_states
 
@@ -53,6 +57,14 @@ def _int(config: dict, name: str) -> int:
     return value
 
 
+def _get(config: dict, *names: str) -> int:
+    """The first of ``names`` the config has (vLLM reads the newer name, configs carry either)."""
+    for name in names:
+        if config.get(name) is not None:
+            return _int(config, name)
+    raise LayoutError(f"config.json has none of the fields {list(names)}")
+
+
 def _head_dim(config: dict) -> int:
     if config.get("head_dim") is not None:
         return _int(config, "head_dim")
@@ -60,26 +72,56 @@ def _head_dim(config: dict) -> int:
 
 
 def _attention(config: dict, options: _Options) -> AttentionShape:
-    heads = max(1, _int(config, "num_key_value_heads") // options.tp_size)
+    # vLLM get_num_kv_heads: max(1, total // tp); a config without num_key_value_heads is MHA.
+    total = _get(config, "num_key_value_heads", "num_attention_heads")
+    heads = max(1, total // options.tp_size)
     return AttentionShape(heads, _head_dim(config), options.kv_dtype)
 
 
 def _layouts(config: dict, options: _Options, kind: str, states, layer_kinds) -> list[Layout]:
-    attention = _attention(config, options) if ATTENTION in layer_kinds else None
+    has_attention = any((entry[1] if isinstance(entry, tuple) else entry) not in (STATE, None)
+                        for entry in layer_kinds)
+    attention = _attention(config, options) if has_attention else None
     return state_model_layouts(
         model=options.model, kind=kind, tp_size=options.tp_size, layer_kinds=layer_kinds,
         states=states, attention=attention, block_size=options.block_size,
         kernel_block_size=options.kernel_block_size)
 
 
-def _layer_kinds(config: dict, names: dict[str, str | None]) -> list[str | None]:
+# Names of layer kinds in configs: transformers 5 `layer_types` / `layers_block_type`, older
+# patterns and per-family spellings. None: a layer with no cache (MLP, MoE).
+LAYER_TYPE_NAMES: dict[str, str | None] = {
+    "full_attention": ATTENTION, "attention": ATTENTION, "*": ATTENTION, "hybrid": ATTENTION,
+    "sliding_attention": SLIDING, "chunked_attention": "chunked_attention",
+    "linear_attention": STATE, "mamba": STATE, "mamba2": STATE, "M": STATE, "conv": STATE,
+    "ssm": STATE,
+    "mlp": None, "moe": None, "-": None, "E": None,
+}
+
+
+# transformers 5 writes these generic names for every hybrid family's layer_types
+_GENERIC = {"linear_attention", "full_attention"}
+
+
+def _layer_kinds(values, field: str, allowed: set[str] | None = None) -> list[str | None]:
+    allowed = None if allowed is None else allowed | _GENERIC
     kinds = []
-    for layer_type in config["layer_types"]:
-        if layer_type not in names:
-            raise LayoutError(f"config.json layer_types has unknown entry {layer_type!r} "
-                              f"(known: {sorted(names)})")
-        kinds.append(names[layer_type])
+    for layer_type in values:
+        layer_type = str(layer_type)
+        if layer_type not in LAYER_TYPE_NAMES or (allowed is not None and layer_type not in allowed):
+            known = sorted(allowed if allowed is not None else LAYER_TYPE_NAMES)
+            raise LayoutError(f"config.json {field} has unknown entry {layer_type!r} (known: {known})")
+        kinds.append(LAYER_TYPE_NAMES[layer_type])
     return kinds
+
+
+def _mamba2_states(config: dict, options: _Options, *, intermediate: int, groups: str, heads: str,
+                   head_dim: str, state: str, conv: str):
+    return mamba2_states(
+        intermediate_size=intermediate, n_groups=_int(config, groups), num_heads=_int(config, heads),
+        head_dim=_int(config, head_dim), state_size=_int(config, state), conv_kernel=_int(config, conv),
+        tp_size=options.tp_size, conv_dtype=options.conv_dtype, ssm_dtype=options.ssm_dtype,
+        conv_layout=options.conv_layout)
 
 
 def _mamba1(config: dict, options: _Options) -> list[Layout]:
@@ -94,20 +136,16 @@ def _mamba1(config: dict, options: _Options) -> list[Layout]:
 
 
 def _mamba2(config: dict, options: _Options) -> list[Layout]:
-    states = mamba2_states(
-        intermediate_size=_int(config, "expand") * _int(config, "hidden_size"),
-        n_groups=_int(config, "n_groups"), num_heads=_int(config, "num_heads"),
-        head_dim=_int(config, "head_dim"), state_size=_int(config, "state_size"),
-        conv_kernel=_int(config, "conv_kernel"), tp_size=options.tp_size,
-        conv_dtype=options.conv_dtype, ssm_dtype=options.ssm_dtype,
-        conv_layout=options.conv_layout)
+    states = _mamba2_states(config, options, intermediate=_int(config, "expand") * _int(config, "hidden_size"),
+                            groups="n_groups", heads="num_heads", head_dim="head_dim", state="state_size",
+                            conv="conv_kernel")
     return _layouts(config, options, "mamba2", states, [STATE] * _int(config, "num_hidden_layers"))
 
 
 def _gdn(config: dict, options: _Options) -> list[Layout]:
     """Qwen3-Next / Qwen3.5: Gated DeltaNet layers, full attention every few layers."""
     if config.get("layer_types"):
-        kinds = _layer_kinds(config, {"linear_attention": STATE, "full_attention": ATTENTION})
+        kinds = _layer_kinds(config["layer_types"], "layer_types", {"linear_attention", "full_attention"})
     else:  # transformers' default: layer i is full attention when (i+1) % interval == 0
         interval = _int(config, "full_attention_interval")
         kinds = [ATTENTION if (layer + 1) % interval == 0 else STATE
@@ -126,7 +164,7 @@ def _gdn(config: dict, options: _Options) -> list[Layout]:
 def _lfm2(config: dict, options: _Options) -> list[Layout]:
     """LFM2: short-conv layers (conv state only) and full-attention layers."""
     if config.get("layer_types"):
-        kinds = _layer_kinds(config, {"conv": STATE, "full_attention": ATTENTION})
+        kinds = _layer_kinds(config["layer_types"], "layer_types", {"conv", "full_attention"})
     else:
         attention_layers = set(config.get("full_attn_idxs") or ())
         kinds = [ATTENTION if layer in attention_layers else STATE
@@ -139,29 +177,109 @@ def _lfm2(config: dict, options: _Options) -> list[Layout]:
     return _layouts(config, options, "short_conv", states, kinds)
 
 
-_NEMOTRON_BLOCKS = {"M": STATE, "*": ATTENTION, "-": None, "E": None,
-                    "mamba": STATE, "attention": ATTENTION, "mlp": None, "moe": None}
-
-
 def _nemotron_h(config: dict, options: _Options) -> list[Layout]:
     """Nemotron-H: Mamba2 mixers, some attention layers, MLP/MoE layers with no cache."""
-    pattern = config.get("layers_block_type") or config.get("hybrid_override_pattern")
-    if not pattern:
-        raise LayoutError("config.json has neither 'hybrid_override_pattern' nor "
-                          "'layers_block_type'")
-    unknown = sorted({str(block) for block in pattern} - set(_NEMOTRON_BLOCKS))
-    if unknown:
-        raise LayoutError(f"config.json layer pattern has unknown entries {unknown}")
-    kinds = [_NEMOTRON_BLOCKS[block] for block in pattern]
+    field = next((name for name in ("layers_block_type", "hybrid_override_pattern", "layer_types")
+                  if config.get(name)), None)
+    if field is None:
+        raise LayoutError("config.json has neither 'hybrid_override_pattern' nor 'layers_block_type'")
+    kinds = _layer_kinds(config[field], field, {"M", "*", "-", "E", "mamba", "attention", "mlp", "moe",
+                                                "linear_attention", "full_attention"})
     heads, head_dim = _int(config, "mamba_num_heads"), _int(config, "mamba_head_dim")
-    states = mamba2_states(
-        intermediate_size=heads * head_dim, n_groups=_int(config, "n_groups"),
-        num_heads=heads, head_dim=head_dim, state_size=_int(config, "ssm_state_size"),
-        conv_kernel=_int(config, "conv_kernel"), tp_size=options.tp_size,
-        conv_dtype=options.conv_dtype, ssm_dtype=options.ssm_dtype,
-        conv_layout=options.conv_layout)
+    states = _mamba2_states(config, options, intermediate=heads * head_dim, groups="n_groups",
+                            heads="mamba_num_heads", head_dim="mamba_head_dim", state="ssm_state_size",
+                            conv="conv_kernel")
     return _layouts(config, options, "mamba2", states, kinds)
 
+
+def _falcon_h1(config: dict, options: _Options) -> list[Layout]:
+    """Falcon-H1: every layer runs attention and a Mamba2 mixer side by side (two caches per
+    layer; vLLM builds ``self_attn`` before ``mamba``, so attention is group 0)."""
+    intermediate = (_int(config, "mamba_d_ssm") if config.get("mamba_d_ssm") is not None
+                    else int(_int(config, "mamba_expand") * _int(config, "hidden_size")))
+    states = _mamba2_states(config, options, intermediate=intermediate, groups="mamba_n_groups",
+                            heads="mamba_n_heads", head_dim="mamba_d_head", state="mamba_d_state",
+                            conv="mamba_d_conv")
+    kinds = [(layer, kind) for layer in range(_int(config, "num_hidden_layers"))
+             for kind in (ATTENTION, STATE)]
+    return _layouts(config, options, "mamba2", states, kinds)
+
+
+def _granite_kinds(config: dict) -> list[str | None]:
+    if config.get("layer_types"):
+        return _layer_kinds(config["layer_types"], "layer_types", {"mamba", "attention"})
+    if config.get("layers_block_type"):
+        return _layer_kinds(config["layers_block_type"], "layers_block_type", {"mamba", "attention"})
+    attention = set(config.get("attn_layer_indices") or ())
+    return [ATTENTION if layer in attention else STATE for layer in range(_int(config, "num_hidden_layers"))]
+
+
+def _granite_mamba2(config: dict, options: _Options) -> list[Layout]:
+    """GraniteMoeHybrid and Bamba: Mamba2 layers (``mamba_*`` fields) and attention layers."""
+    states = _mamba2_states(config, options, intermediate=_int(config, "mamba_expand") * _int(config, "hidden_size"),
+                            groups="mamba_n_groups", heads="mamba_n_heads", head_dim="mamba_d_head",
+                            state="mamba_d_state", conv="mamba_d_conv")
+    return _layouts(config, options, "mamba2", states, _granite_kinds(config))
+
+
+def _jamba(config: dict, options: _Options) -> list[Layout]:
+    """Jamba: Mamba1 layers, attention where ``layer % attn_layer_period == attn_layer_offset``."""
+    if config.get("layers_block_type"):
+        kinds = _layer_kinds(config["layers_block_type"], "layers_block_type", {"mamba", "attention"})
+    else:
+        period, offset = _int(config, "attn_layer_period"), config.get("attn_layer_offset", 0)
+        kinds = [ATTENTION if layer % period == offset else STATE
+                 for layer in range(_int(config, "num_hidden_layers"))]
+    states = mamba1_states(
+        intermediate_size=_int(config, "mamba_expand") * _int(config, "hidden_size"),
+        state_size=_int(config, "mamba_d_state"), conv_kernel=_int(config, "mamba_d_conv"),
+        tp_size=options.tp_size, conv_dtype=options.conv_dtype, ssm_dtype=options.ssm_dtype,
+        conv_layout=options.conv_layout)
+    return _layouts(config, options, "mamba1", states, kinds)
+
+
+def _zamba2_pure(config: dict, options: _Options) -> list[Layout]:
+    """Zamba2's Mamba2 state (``mamba_*``/``n_mamba_heads`` fields). Its shared-attention blocks
+    are not modelled: refused when the config has hybrid layers."""
+    block_types = config.get("layers_block_type") or []
+    if any(str(kind) != "mamba" for kind in block_types):
+        raise LayoutError("zamba2 with shared attention ('hybrid' layers) is not modelled; "
+                          "describe its values in a layout file")
+    states = _mamba2_states(config, options, intermediate=_int(config, "mamba_expand") * _int(config, "hidden_size"),
+                            groups="mamba_ngroups", heads="n_mamba_heads", head_dim="mamba_headdim",
+                            state="mamba_d_state", conv="mamba_d_conv")
+    return _layouts(config, options, "mamba2", states, [STATE] * _int(config, "num_hidden_layers"))
+
+
+def _attention_kinds(config: dict, model_type: str) -> list[str | None]:
+    layers = _int(config, "num_hidden_layers")
+    if config.get("layer_types"):
+        kinds = _layer_kinds(config["layer_types"], "layer_types",
+                             {"full_attention", "sliding_attention", "chunked_attention", "attention"})
+        if len(kinds) != layers:
+            raise LayoutError(f"config.json layer_types has {len(kinds)} entries for {layers} layers")
+        return kinds
+    window = config.get("sliding_window")
+    if model_type == "gemma2" and window:  # even layers slide, odd layers attend fully
+        return [SLIDING if layer % 2 == 0 else ATTENTION for layer in range(layers)]
+    if model_type in ("gemma3", "gemma3_text") and window:
+        pattern = _int(config, "sliding_window_pattern")
+        return [ATTENTION if (layer + 1) % pattern == 0 else SLIDING for layer in range(layers)]
+    if window and config.get("use_sliding_window", True) and model_type not in ("qwen2", "qwen3"):
+        return [SLIDING] * layers
+    return [ATTENTION] * layers
+
+
+def _attention_only(config: dict, options: _Options, model_type: str) -> list[Layout]:
+    """Every layer attention (full or sliding): one segment per layer, one page per block."""
+    if options.block_size is None:
+        raise LayoutError("an attention-only model's value size depends on vLLM's --block-size "
+                          "(default 16 on CUDA, 128 on CPU): pass --block-size")
+    return _layouts(config, options, ATTENTION, None, _attention_kinds(config, model_type))
+
+
+ATTENTION_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mistral", "mixtral",
+                         "gemma", "gemma2", "gemma3", "gemma3_text", "phi3", "granite", "olmo2")
 
 _BUILDERS: dict[str, Callable[[dict, _Options], list[Layout]]] = {
     "mamba": _mamba1,
@@ -173,31 +291,61 @@ _BUILDERS: dict[str, Callable[[dict, _Options], list[Layout]]] = {
     "qwen3_5_moe": _gdn,
     "qwen3_5_moe_text": _gdn,
     "lfm2": _lfm2,
+    "lfm2_moe": _lfm2,
     "nemotron_h": _nemotron_h,
+    "falcon_h1": _falcon_h1,
+    "granitemoehybrid": _granite_mamba2,
+    "bamba": _granite_mamba2,
+    "jamba": _jamba,
+    "zamba2": _zamba2_pure,
 }
-SUPPORTED_MODEL_TYPES = tuple(_BUILDERS)
+SUPPORTED_MODEL_TYPES = tuple(_BUILDERS) + ATTENTION_MODEL_TYPES + ("<any attention-only config>",)
+
+# Fields that say a config has recurrent state or a cache the generic attention layout does not
+# describe (MLA latents): such a config of an unknown model type is refused, never guessed.
+_NOT_PLAIN_ATTENTION = ("mamba", "ssm", "conv_l_cache", "linear_", "state_size", "kv_lora_rank",
+                        "layers_block_type", "hybrid_override_pattern")
+
+
+def _plain_attention_config(config: dict) -> bool:
+    if any(marker in name.lower() for name in config for marker in _NOT_PLAIN_ATTENTION):
+        return False
+    if any(str(kind) not in ("full_attention", "sliding_attention", "attention")
+           for kind in config.get("layer_types") or ()):
+        return False
+    return all(isinstance(config.get(name), int) for name in ("num_hidden_layers", "num_attention_heads")) and (
+        isinstance(config.get("head_dim"), int) or isinstance(config.get("hidden_size"), int))
+
+
+def model_type_of(config: dict) -> tuple[dict, str | None]:
+    """The text config (``text_config`` of a multimodal config, else the config) and its type."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    return text, text.get("model_type") or config.get("model_type")
 
 
 def layouts_from_hf_config(config: dict, *, model: str, tp_size: int = 1,
-                           state_dtype: str = "bfloat16", ssm_dtype: str | None = None,
+                           state_dtype: str | None = None, ssm_dtype: str | None = None,
                            block_size: int | None = None, conv_layout: str = "SD",
                            kv_cache_dtype: str | None = None,
-                           attention_kernel_block_size: int | None = None) -> list[Layout]:
+                           kernel_block_size: int | None = None, platform: str = DEFAULT_PLATFORM,
+                           model_dtype: str | None = None) -> list[Layout]:
     """One Layout per KV-cache group, in vLLM's group order (``@group:g`` is list index g).
 
     ``model``: the model path or name; its basename is what vLLM puts in keys.
-    ``state_dtype``: vLLM's ``--mamba-cache-dtype`` resolved (the model dtype under "auto").
-    ``ssm_dtype``: ``--mamba-ssm-cache-dtype``; None: the config's ``mamba_ssm_dtype`` if it has
-    one (vLLM applies it for Qwen3.5), else ``state_dtype``.
-    ``block_size``: vLLM's ``--block-size`` (None: 16); only hybrid models depend on it.
-    ``kv_cache_dtype``: attention ``--kv-cache-dtype`` (None: same as ``state_dtype``).
-    ``attention_kernel_block_size``: the attention backend's kernel block when it is smaller
-    than the block size (None: equal, as with FlashAttention).
+    ``state_dtype``: vLLM's ``--mamba-cache-dtype`` (None: the model dtype, vLLM's "auto").
+    ``ssm_dtype``: ``--mamba-ssm-cache-dtype`` (None: vLLM's per-model and per-platform rules,
+    see ``audit.layouts.dtypes``).
+    ``model_dtype``: vLLM's ``--dtype`` (None: "auto", from the config).
+    ``block_size``: vLLM's ``--block-size`` (None: the platform's default: 16 on CUDA, 128 on CPU).
+    ``kv_cache_dtype``: attention ``--kv-cache-dtype`` (None: the model dtype).
+    ``kernel_block_size``: the attention backend's smallest kernel block, the alignment of a
+    hybrid model's block (None: the platform's, 16 on CUDA and 32 on CPU; ROCm AITER 64; MLA
+    backends 128 or more).
+    ``platform``: "cuda" or "cpu" (vLLM's CPU build forces float32 ssm states).
     """
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    model_type = text.get("model_type") or config.get("model_type")
+    text, model_type = model_type_of(config)
     builder = _BUILDERS.get(model_type)
-    if builder is None:
+    if builder is None and model_type not in ATTENTION_MODEL_TYPES and not _plain_attention_config(text):
         raise LayoutError(f"model_type {model_type!r} is not supported "
                           f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); "
                           f"describe its values in a layout file instead")
@@ -206,12 +354,14 @@ def layouts_from_hf_config(config: dict, *, model: str, tp_size: int = 1,
         raise LayoutError(f"model name {model!r} has no basename")
     if tp_size < 1:
         raise LayoutError(f"tp_size must be >= 1, got {tp_size}")
-    conv_dtype = canonical_dtype(state_dtype)
-    ssm = ssm_dtype or text.get("mamba_ssm_dtype")
+    dtypes = resolve_dtypes(model_type=model_type or "", text=text, config=config,
+                            model_dtype=model_dtype, conv_dtype=state_dtype, ssm_dtype=ssm_dtype,
+                            kv_cache_dtype=kv_cache_dtype, platform=platform)
+    default_block, default_kernel = PLATFORM_BLOCKS[platform]
     options = _Options(
-        model=name, tp_size=tp_size, conv_dtype=conv_dtype,
-        ssm_dtype=canonical_dtype(ssm) if ssm else conv_dtype,
-        kv_dtype=canonical_dtype(kv_cache_dtype) if kv_cache_dtype else conv_dtype,
-        conv_layout=conv_layout, block_size=block_size,
-        kernel_block_size=attention_kernel_block_size)
+        model=name, tp_size=tp_size, conv_dtype=dtypes.conv, ssm_dtype=dtypes.ssm, kv_dtype=dtypes.kv,
+        conv_layout=conv_layout, block_size=default_block if block_size is None else block_size,
+        kernel_block_size=default_kernel if kernel_block_size is None else kernel_block_size)
+    if builder is None:
+        return _attention_only(text, options, model_type or "")
     return builder(text, options)

@@ -9,10 +9,12 @@ Read from vLLM (see docs/layouts.md for the reasoning):
 - ``get_kv_cache_config_from_groups``: ``group_size`` tensors, tensor i shared by the i-th
   layer of every group. The connector registers each tensor once (deduplicated by storage), so
   segment i is that shared tensor and every group's value spans all of them.
-- ``vllm/platforms/interface.py`` (hybrid block-size alignment, mamba_cache_mode none/align):
+- ``vllm/platforms/interface.py`` ``_align_hybrid_block_size`` (mamba_cache_mode none/align):
   ``block_size = align * ceil(mamba_page / (align * attention_bytes_per_token))`` with
-  ``align = max(16, configured block_size)``, and the mamba page is padded to
-  ``block_size * attention_bytes_per_token``.
+  ``align = max(kernel_block, configured block_size)`` (kernel_block: the attention backend's
+  smallest kernel block: 16 for FlashAttention/FlashInfer on CUDA, 32 for CPU_ATTN, 64 for ROCm
+  AITER; MLA raises the alignment to 128), rounded up to a multiple of the kernel block, and the
+  mamba page is padded to ``block_size * attention_bytes_per_token``.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ from .pages import AttentionShape, attention_regions, state_regions, unused_regi
 from .states import StateTensor, page_bytes
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's CUDA default for --block-size
-KERNEL_BLOCK_ALIGNMENT = 16  # smallest kernel block of FlashAttention / FlashInfer on CUDA
+DEFAULT_KERNEL_BLOCK_SIZE = 16  # smallest kernel block of FlashAttention / FlashInfer on CUDA
+# per platform: (default --block-size, smallest attention kernel block)
+PLATFORM_BLOCKS = {"cuda": (16, 16), "cpu": (128, 32)}
 
 ATTENTION = "attention"
+SLIDING = "sliding_attention"  # a spec of its own: its own KV-cache groups
 STATE = "state"
 
 
@@ -35,27 +40,34 @@ def cdiv(numerator: int, denominator: int) -> int:
 
 
 def hybrid_block_size(state_page_bytes: int, attention_bytes_per_token: int,
-                      block_size: int | None) -> int:
+                      block_size: int | None, kernel_block_size: int | None = None) -> int:
     """Tokens per block after vLLM raises the attention block to fit one mamba page.
 
-    ``block_size`` is vLLM's ``--block-size`` (None: its default, 16) or the value vLLM logged
-    ("Setting attention block size to N tokens"); both give the same answer.
+    ``block_size`` is vLLM's ``--block-size`` (None: its CUDA default, 16) or the value vLLM
+    logged ("Setting attention block size to N tokens"); both give the same answer.
+    ``kernel_block_size``: the attention backend's smallest kernel block (None: 16).
     """
     configured = DEFAULT_BLOCK_SIZE if block_size is None else block_size
-    if configured < 1:
-        raise LayoutError(f"block size must be positive, got {configured}")
-    align = max(KERNEL_BLOCK_ALIGNMENT, configured)
+    kernel = DEFAULT_KERNEL_BLOCK_SIZE if kernel_block_size is None else kernel_block_size
+    if configured < 1 or kernel < 1:
+        raise LayoutError(f"block sizes must be positive, got {configured} and kernel {kernel}")
+    align = max(kernel, configured)
     needed = align * cdiv(state_page_bytes, align * attention_bytes_per_token)
+    needed = kernel * cdiv(needed, kernel)
     return max(configured, needed)
 
 
-def kv_cache_groups(layer_kinds: Sequence[str | None]) -> list[tuple[str, list[int]]]:
+def kv_cache_groups(layer_kinds: Sequence) -> list[tuple[str, list[int]]]:
     """(kind, layer indices) per KV-cache group, in vLLM's group order.
 
-    ``layer_kinds[i]`` is ``"attention"``, ``"state"`` or None (a layer with no cache).
+    ``layer_kinds[i]`` is ``"attention"``, ``"state"`` (or another attention kind such as
+    ``"sliding_attention"``, a spec of its own) or None (a layer with no cache); or a
+    ``(layer, kind)`` pair, for models where one layer holds two caches (Falcon-H1: attention
+    and Mamba2 side by side), listed in vLLM's module-construction order.
     """
     buckets: dict[str, list[int]] = {}
-    for layer, kind in enumerate(layer_kinds):
+    for position, entry in enumerate(layer_kinds):
+        layer, kind = entry if isinstance(entry, tuple) else (position, entry)
         if kind is not None:
             buckets.setdefault(kind, []).append(layer)
     if not buckets:
@@ -69,22 +81,35 @@ def kv_cache_groups(layer_kinds: Sequence[str | None]) -> list[tuple[str, list[i
     return groups
 
 
+def _is_attention(kind: str) -> bool:
+    return kind != STATE
+
+
 def state_model_layouts(*, model: str, kind: str, tp_size: int,
-                        layer_kinds: Sequence[str | None], states: tuple[StateTensor, ...],
+                        layer_kinds: Sequence, states: tuple[StateTensor, ...] | None,
                         attention: AttentionShape | None, block_size: int | None,
                         kernel_block_size: int | None) -> list[Layout]:
-    """One Layout per KV-cache group of a model with recurrent state (pure or hybrid)."""
+    """One Layout per KV-cache group: pure state, hybrid, or attention only (``states`` None).
+
+    Attention only: ``block_size`` is the producer's ``--block-size`` (required: on CUDA vLLM
+    defaults to 16, on CPU to 128). Hybrid: ``block_size`` is raised to fit a mamba page, with
+    ``kernel_block_size`` the backend's alignment.
+    """
     groups = kv_cache_groups(layer_kinds)
-    has_attention = any(group_kind == ATTENTION for group_kind, _ in groups)
-    if not any(group_kind == STATE for group_kind, _ in groups):
-        raise LayoutError("model has no recurrent-state layer; its values hold attention KV only")
+    has_attention = any(_is_attention(group_kind) for group_kind, _ in groups)
+    has_state = any(group_kind == STATE for group_kind, _ in groups)
+    if has_state and states is None:
+        raise LayoutError("model has recurrent-state layers but no state shapes")
     if has_attention:
-        assert attention is not None, "hybrid model needs its attention shape"
-        tokens = hybrid_block_size(page_bytes(states), attention.bytes_per_token, block_size)
+        assert attention is not None, "a model with attention layers needs its attention shape"
+        if has_state:
+            tokens = hybrid_block_size(page_bytes(states), attention.bytes_per_token, block_size,
+                                       kernel_block_size)
+        else:
+            tokens = DEFAULT_BLOCK_SIZE if block_size is None else block_size
         page = tokens * attention.bytes_per_token
-        kernel = tokens if kernel_block_size is None else kernel_block_size
     else:
-        tokens = kernel = 0  # no attention pages; a pure-state page is never padded
+        tokens = 0  # no attention pages; a pure-state page is never padded
         page = page_bytes(states)
     num_segments = max(len(layers) for _, layers in groups)
     layouts = []
@@ -96,12 +121,12 @@ def state_model_layouts(*, model: str, kind: str, tp_size: int,
                 segments.append(Segment(index, f"unused.{index}", -1, offset, page,
                                         unused_regions(offset, page)))
                 continue
-            if group_kind == ATTENTION:
-                regions = attention_regions(attention, offset, tokens, kernel)
+            if _is_attention(group_kind):
+                regions = attention_regions(attention, offset, tokens)
             else:
                 regions = state_regions(states, offset, page)
             segments.append(Segment(index, layer_segment_name(layers[index]), layers[index], offset,
                                     page, regions))
-        layouts.append(Layout(model, group, ATTENTION if group_kind == ATTENTION else kind,
+        layouts.append(Layout(model, group, ATTENTION if _is_attention(group_kind) else kind,
                               tp_size, tuple(segments)))
     return layouts

@@ -42,25 +42,16 @@ def state_regions(states: tuple[StateTensor, ...], offset: int, page_length: int
     return tuple(regions)
 
 
-def attention_regions(attention: AttentionShape, offset: int, block_size: int,
-                      kernel_block_size: int) -> tuple[Region, ...]:
-    """K then V per kernel block: vLLM views a hybrid model's attention cache as
-    ``(num_kernel_blocks, 2, kernel_block, heads, head_dim)``, so a page of ``block_size`` tokens
-    is ``block_size / kernel_block_size`` repeats of ``[k | v]`` (one repeat when they are equal).
-    Shapes assume the NHD order (tokens, heads, head_dim); HND backends hold the same bytes.
+def attention_regions(attention: AttentionShape, offset: int, block_size: int) -> tuple[Region, ...]:
+    """One ``kv`` region per page: vLLM 0.32.0 lays an attention page out as
+    ``(heads, tokens, k|v)`` (``[L, B, H, N, C]`` with ``C = (head_size + head_size_v) * dtype``,
+    ``vllm/v1/kv_cache_interface.py``), other backends as ``(tokens, heads, k|v)``, older
+    releases as ``[k | v]`` halves or kernel-block repeats of them. Every order holds the same
+    bytes in the same page, so the layer's K and V are checked together, one region per layer.
     """
-    if block_size % kernel_block_size:
-        raise LayoutError(f"attention kernel block size {kernel_block_size} does not divide "
-                          f"block size {block_size}")
-    shape = (kernel_block_size, attention.num_kv_heads, attention.head_dim)
-    half = kernel_block_size * attention.bytes_per_token // 2
-    regions = []
-    position = offset
-    for _ in range(block_size // kernel_block_size):
-        for name in ("k", "v"):
-            regions.append(Region(name, "kv", position, half, attention.dtype, shape))
-            position += half
-    return tuple(regions)
+    shape = (attention.num_kv_heads, block_size, 2 * attention.head_dim)
+    length = block_size * attention.bytes_per_token
+    return (Region("kv", "kv", offset, length, attention.dtype, shape),)
 
 
 def unused_regions(offset: int, page_length: int) -> tuple[Region, ...]:

@@ -179,6 +179,6 @@ def test_explain_shows_regions_stats_and_block_table(cli_args, workload):
 
 
 def test_layout_errors_are_one_line(cli_args, tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "plamo2", "mamba_d_state": 16}))
     result = run_cli("scan", *cli_args, "--model-config", str(tmp_path))
     assert result.exit_code == 2 and "not supported" in result.stderr and result.stderr.count("\n") == 1

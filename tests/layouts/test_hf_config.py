@@ -118,10 +118,9 @@ def test_qwen3_next_tp1_groups_and_padding():
     assert conv.offset == 1_114_112 and conv.shape == (3, 8192) and conv.length == 49_152
     assert ssm.shape == (32, 128, 128) and ssm.length == 1_048_576
     assert (padding.kind, padding.offset, padding.length) == ("padding", 1_114_112 + 1_097_728, 16_384)
-    # attention page: K (544 tokens, 2 heads, 256) bf16 = 557,056 B, then V; no padding
-    k, v = layouts[3].segments[0].regions
-    assert (k.name, k.kind, k.shape, k.length, k.offset) == ("k", "kv", (544, 2, 256), 557_056, 0)
-    assert (v.name, v.offset, v.length) == ("v", 557_056, 557_056)
+    # attention page: K and V of 544 tokens x 2 heads x 256, bf16 = 1,114,112 B, one region
+    (kv,) = layouts[3].segments[0].regions
+    assert (kv.name, kv.kind, kv.shape, kv.length, kv.offset) == ("kv", "kv", (2, 544, 512), 1_114_112, 0)
 
 
 def test_qwen3_next_tp2():
@@ -142,7 +141,7 @@ def test_qwen3_next_block_size_as_logged_or_larger():
     bigger = layouts_from_hf_config(QWEN3_NEXT, model="q", block_size=1024)
     assert bigger[0].segments[0].length == 2_097_152
     assert bigger[0].segments[0].regions[-1].length == 999_424
-    assert bigger[3].segments[0].regions[0].shape == (1024, 2, 256)
+    assert bigger[3].segments[0].regions[0].shape == (2, 1024, 512)
 
 
 def test_qwen3_next_fp8_kv_cache_needs_no_padding():
@@ -150,19 +149,17 @@ def test_qwen3_next_fp8_kv_cache_needs_no_padding():
     # page = 1072 * 1,024 = 1,097,728 = the mamba page exactly: no padding region
     layouts = layouts_from_hf_config(QWEN3_NEXT, model="q", kv_cache_dtype="fp8")
     assert [region.name for region in layouts[0].segments[0].regions] == ["conv", "ssm"]
-    k = layouts[3].segments[0].regions[0]
-    assert (k.dtype, k.shape, k.length) == ("float8_e4m3fn", (1072, 2, 256), 548_864)
+    kv = layouts[3].segments[0].regions[0]
+    assert (kv.dtype, kv.shape, kv.length) == ("float8_e4m3fn", (2, 1072, 512), 1_097_728)
 
 
-def test_qwen3_next_attention_kernel_blocks_interleave_k_and_v():
-    # kernel block 32: 544 / 32 = 17 repeats of [k | v], each (32, 2, 256) bf16 = 32,768 B
-    layouts = layouts_from_hf_config(QWEN3_NEXT, model="q", attention_kernel_block_size=32)
-    regions = layouts[3].segments[0].regions
-    assert len(regions) == 34
-    assert [region.name for region in regions[:4]] == ["k", "v", "k", "v"]
-    assert regions[1].offset == 32_768 and regions[1].shape == (32, 2, 256)
-    with pytest.raises(LayoutError, match="does not divide"):
-        layouts_from_hf_config(QWEN3_NEXT, model="q", attention_kernel_block_size=48)
+def test_kernel_block_size_is_the_hybrid_alignment():
+    # ROCm AITER's kernel block 64: block = 64 * ceil(1,097,728 / (64 * 2,048) = 8.4) = 576
+    layouts = layouts_from_hf_config(QWEN3_NEXT, model="q", kernel_block_size=64)
+    assert layouts[3].segments[0].regions[0].shape == (2, 576, 512)
+    assert layouts[0].size == 12 * 576 * 2_048
+    # the CPU backend's 32: 32 * ceil(33.5 / 2) = 544, as with 16
+    assert layouts_from_hf_config(QWEN3_NEXT, model="q", kernel_block_size=32)[0].size == 13_369_344
 
 
 def test_qwen3_5_9b_tp2_matches_the_53084_report():
@@ -216,16 +213,24 @@ def test_nemotron_h_pattern():
     config = {"model_type": "nemotron_h", "hybrid_override_pattern": "M-M*M-M*",
               "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16,
               "conv_kernel": 4, "num_key_value_heads": 2, "head_dim": 32}
-    layouts = layouts_from_hf_config(config, model="nemotron")
+    layouts = layouts_from_hf_config(config, model="nemotron", ssm_dtype="bfloat16")
     assert [[s.layer for s in layout.segments] for layout in layouts] == [[0, 4], [2, 6], [3, 7]]
     assert [layout.kind for layout in layouts] == ["mamba2", "mamba2", "attention"]
     assert [r.length for r in layouts[0].segments[0].regions] == [1_152, 4_096, 2_944]
     assert layouts[0].size == 16_384
+    # without --ssm-dtype vLLM keeps Nemotron-H's ssm state in float32 (8,192 B): mamba page
+    # 9,344; block = 16*ceil(9,344/4,096) = 48; page 12,288
+    default = layouts_from_hf_config(config, model="nemotron")
+    assert [r.length for r in default[0].segments[0].regions] == [1_152, 8_192, 2_944]
+    # transformers 5 names: layers_block_type with linear_attention / full_attention / mlp
+    named = dict(config, layers_block_type=["linear_attention", "mlp", "linear_attention", "full_attention"] * 2)
+    del named["hybrid_override_pattern"]
+    assert layouts_from_hf_config(named, model="nemotron") == default
 
 
 def test_unknown_model_type():
-    with pytest.raises(LayoutError, match="model_type 'llama' is not supported") as error:
-        layouts_from_hf_config({"model_type": "llama"}, model="x")
+    with pytest.raises(LayoutError, match="model_type 'plamo2' is not supported") as error:
+        layouts_from_hf_config({"model_type": "plamo2", "mamba_d_state": 64}, model="x")
     assert "\n" not in str(error.value)
 
 

@@ -51,7 +51,7 @@ def test_documented_example_loads(tmp_path):
     toy = {"model_type": "nemotron_h", "hybrid_override_pattern": "M*M*", "mamba_num_heads": 8,
            "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "conv_kernel": 4,
            "num_key_value_heads": 2, "head_dim": 32}
-    assert layouts_from_hf_config(toy, model="toy-hybrid", block_size=64) == layouts
+    assert layouts_from_hf_config(toy, model="toy-hybrid", block_size=64, ssm_dtype="bfloat16") == layouts
 
 
 def _document(**layout_overrides):

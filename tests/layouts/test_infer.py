@@ -1,0 +1,78 @@
+"""Inferring the producer's dtypes, platform, block size and TP size from the listed value sizes."""
+
+from __future__ import annotations
+
+from audit.judge.plan import CheckPlan, load_layouts
+from audit.keys import vllm_key
+from audit.layouts.infer import LayoutRequest, infer_layouts, observed_sizes
+from audit.records import KeyInfo
+from tests.layouts.test_families import LLAMA_TINY, MAMBA2_TINY, NEMOTRON_TINY
+
+
+def _keys(model, sizes_by_group, tp_rank=0):
+    return [KeyInfo(vllm_key(model, f"{group:02x}{index:04x}", group=group, tp_rank=tp_rank), size)
+            for group, sizes in sizes_by_group.items() for index, size in enumerate(sizes)]
+
+
+def test_bf16_mamba2_on_cpu_is_inferred_from_sizes():
+    request = LayoutRequest(dict(MAMBA2_TINY, dtype="bfloat16"), "mamba2-tiny-bf16")
+    layouts, rows = infer_layouts(request, observed_sizes(_keys("mamba2-tiny-bf16", {0: [18_304] * 3})))
+    assert layouts[0].size == 18_304
+    (row,) = rows
+    assert row["status"] == "inferred" and row["from"] == "3 of 3 keys of 18,304 B"
+    assert (row["assumed"]["platform"], row["assumed"]["conv_dtype"], row["assumed"]["ssm_dtype"]) == (
+        "cpu", "bfloat16", "float32")
+
+
+def test_float32_model_and_defaults():
+    request = LayoutRequest(dict(MAMBA2_TINY, dtype="float32"), "m")
+    layouts, rows = infer_layouts(request, observed_sizes(_keys("m", {0: [20_224] * 2})))
+    assert layouts[0].size == 20_224 and rows[0]["assumed"]["model_dtype"] == "float32"
+    # sizes that vLLM's CUDA defaults give: nothing inferred
+    layouts, rows = infer_layouts(request, observed_sizes(_keys("m", {0: [10_112]})))
+    assert rows[0]["status"] == "as_configured"
+
+
+def test_attention_block_size_from_sizes_and_a_second_producer():
+    request = LayoutRequest(LLAMA_TINY, "llama-tiny")
+    keys = _keys("llama-tiny", {0: [16_384] * 5 + [65_536]})
+    layouts, (row,) = infer_layouts(request, observed_sizes(keys))
+    assert layouts[0].size == 16_384 and row["assumed"]["block_size"] == 32
+    assert row["other_sizes"] == {"65536": 1}  # stays SIZE_MISMATCH: another producer?
+
+
+def test_per_group_and_no_fit():
+    request = LayoutRequest(NEMOTRON_TINY, "n")
+    layouts, rows = infer_layouts(request, observed_sizes(_keys("n", {0: [32_768], 1: [32_768], 2: [32_768]})))
+    assert [row["status"] for row in rows] == ["inferred"] * 3
+    assert {row["assumed"]["platform"] for row in rows} == {"cpu"}
+    _, rows = infer_layouts(request, observed_sizes(_keys("n", {0: [12_345]})))
+    assert rows[0]["status"] == "no_fit" and rows[0]["layout_size"] == 12_288
+
+
+def test_tp_size_inferred_when_not_given():
+    config = dict(MAMBA2_TINY, dtype="bfloat16", n_groups=2)
+    # TP 2: conv (3, (128 + 2*2*16)/2 = 96) bf16 = 576, ssm (4, 16, 16) bf16 = 2,048; 2 layers = 5,248
+    request = LayoutRequest(config, "m")
+    layouts, rows = infer_layouts(request, observed_sizes(_keys("m", {0: [5_248]})))
+    assert layouts[0].tp_size == 2 and rows[0]["assumed"]["tp_size"] == 2
+    given = LayoutRequest(config, "m", tp_given=True)
+    _, rows = infer_layouts(given, observed_sizes(_keys("m", {0: [5_248]})))
+    assert rows[0]["status"] == "no_fit"
+
+
+def test_plan_fit_sizes(tmp_path):
+    import json
+
+    model_dir = tmp_path / "mamba2-tiny-bf16"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(dict(MAMBA2_TINY, dtype="bfloat16")))
+    plan = CheckPlan(load_layouts(model_configs=[model_dir]))
+    keys = _keys("mamba2-tiny-bf16", {0: [18_304] * 2})
+    assert plan.layout_for(keys[0]).size == 10_112  # before: vLLM's CUDA defaults
+    rows = plan.fit_sizes(keys)
+    assert plan.inference == rows and rows[0]["status"] == "inferred"
+    assert plan.layout_for(keys[0]).size == 18_304
+    # keys of other schemes and Store-TP shards are not counted
+    assert observed_sizes([KeyInfo("opaque-key", 5), KeyInfo(vllm_key("m", "ab", store_namespace=(
+        "@store_tp:2@store_pp:1@store_format:tp_shared_lbhnc")), 7)]) == {}
