@@ -11,8 +11,9 @@ from audit.errors import AuditError
 from audit.readers.buffers import Slot
 from audit.readers.lease import LeaseReader
 from audit.keys import parse_key
+from audit.judge.chunks import ChunkIndex, member_of
 from audit.judge.plan import CheckPlan
-from audit.records import KeyInfo
+from audit.records import KeyInfo, Verdict
 from audit.run.scan import check_batch
 
 HEXDUMP_BYTES = 32
@@ -37,6 +38,19 @@ def _size_of(admin: AdminClient, store, key: str) -> int:
             return int(replicas[0]["size_"])
         return -704
     return store.get_size(key)
+
+
+def _chunk(admin: AdminClient, key: str) -> dict | None:
+    """The key's chunk as the listing shows it: which members are there and which are missing
+    (names only: sizes and digests of the other keys are a scan's business)."""
+    member = member_of(parse_key(key))
+    if member is None:
+        return None
+    family = [name for name in admin.all_keys_body().decode(errors="replace").split("\n")
+              if name and (other := member_of(parse_key(name))) is not None and other.family == member.family]
+    index = ChunkIndex.of((name, None) for name in family)
+    present = sorted(name for name, other in index.members.items() if other.chunk == member.chunk)
+    return {"members_present": present, "missing": index.judge().missing.get(key, [])}
 
 
 def explain_key(settings: Settings, key: str, plan: CheckPlan) -> dict:
@@ -69,6 +83,11 @@ def explain_key(settings: Settings, key: str, plan: CheckPlan) -> dict:
             chunk = data[region["offset"]: region["offset"] + region["length"]]
             region["hexdump"] = chunk[:HEXDUMP_BYTES].tobytes().hex(" ")
             region["stats"] = _stats(chunk, region["dtype"])
+    chunk = _chunk(admin, key)
+    if chunk is not None:
+        document["chunk"] = chunk
+        if chunk["missing"] and Verdict.INCOMPLETE_CHUNK not in document["verdicts"]:
+            document["verdicts"].append(Verdict.INCOMPLETE_CHUNK)
     entry = plan.table_entry(info)
     document["block_table_records"] = [] if entry is None else [
         {"block_ids": list(entry.block_ids), "sources": entry.sources, "req_ids": entry.req_ids}]

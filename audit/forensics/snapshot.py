@@ -80,6 +80,9 @@ def signed64(digest: int) -> int:
     return digest - (1 << 64) if digest >= 1 << 63 else digest
 
 
+CROSS_KEY = frozenset({Verdict.SHARED_CONTENT, Verdict.INCOMPLETE_CHUNK, Verdict.IDENTITY_SUSPECT})  # known at merge
+
+
 def _json(value) -> str:
     return json.dumps(value, separators=(",", ":"))
 
@@ -136,8 +139,9 @@ class SnapshotSink:
                              [(g["group"], g["size"], g["xxh3"], len(g["keys"])) for g in report.shared_groups])
         self._db.executemany(
             "UPDATE keys SET verdicts = ?, evidence = ?, shared_group = ? WHERE key = ?",
-            ((_json(sorted(r.verdicts)), _json(_evidence(r)), r.evidence["shared_content"]["group"], key_bytes(r.key))
-             for r in report.records if Verdict.SHARED_CONTENT in r.verdicts))
+            ((_json(sorted(r.verdicts)), _json(_evidence(r)), (r.evidence.get("shared_content") or {}).get("group"),
+              key_bytes(r.key))
+             for r in report.records if CROSS_KEY.intersection(r.verdicts)))
         self._set_meta(cluster=report.summary.get("cluster"), summary=report.summary)
         self._db.commit()
         self._db.close()

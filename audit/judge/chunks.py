@@ -11,12 +11,11 @@ from the producer's own rules, on the listing (every key present, read or not):
   puts each key exactly once (`put_step` spreads the replicas of a GQA head over ranks, and the
   key's `tp_rank` is the shard, `tp_rank // replication`), so a clean producer gives the same rank
   set for every chunk of a part; LMCache names its world size in the key;
-- parts: parts that the producer always publishes together are *companions* (vLLM's Mamba
-  groups, which `_boundary_puts` writes at once; SGLang's `k` and `v`). A part is a companion of
-  another when, over the chunks of the family holding either, both are present in at least
-  COMPANION_SHARE of them (and at least COMPANION_MIN_CHUNKS chunks). Parts that only sometimes
-  appear together (vLLM's attention group and its Mamba groups, which meet only at a prompt's
-  boundary chunk) are not companions, so a chunk legitimately lacking a group is never flagged.
+- parts: a part the producer publishes wherever another is, is that one's *companion* (vLLM's
+  Mamba groups, which `_boundary_puts` writes at once; SGLang's `k` and `v`), learned from the
+  family's own chunks (`_companions`). A part that appears only in some of another's chunks (vLLM's
+  Mamba groups, only at a prompt's boundary chunk among the attention group's) is no companion of
+  it, so a chunk legitimately lacking a group is never flagged.
 
 Identity: a key name says no dtype, layout or weight revision, so two producers can write under
 one name. Within a (family, part, rank), a size other than the dominant one, and two ranks of
@@ -109,7 +108,10 @@ class ChunkJudgement:
 
 
 def _companions(parts_by_chunk: dict[tuple, set]) -> dict:
-    """part -> the parts always published with it, learned from how often they meet."""
+    """part -> the parts published wherever it is, learned from the producer's own chunks: q is
+    a companion of p when q is present in at least COMPANION_SHARE of the chunks holding p (and p
+    is in at least COMPANION_MIN_CHUNKS). It is one-way: a Mamba group's chunks all carry the
+    attention group, while most attention chunks carry no Mamba group."""
     holding: Counter = Counter()
     together: Counter = Counter()
     for parts in parts_by_chunk.values():
@@ -119,13 +121,9 @@ def _companions(parts_by_chunk: dict[tuple, set]) -> dict:
                 if other != part:
                     together[(part, other)] += 1
     companions: dict = defaultdict(set)
-    for part in holding:
-        for other in holding:
-            if other == part:
-                continue
-            either = holding[part] + holding[other] - together[(part, other)]
-            if either >= COMPANION_MIN_CHUNKS and together[(part, other)] >= COMPANION_SHARE * either:
-                companions[part].add(other)
+    for (part, other), count in together.items():
+        if holding[part] >= COMPANION_MIN_CHUNKS and count >= COMPANION_SHARE * holding[part]:
+            companions[part].add(other)
     return companions
 
 

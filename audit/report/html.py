@@ -150,6 +150,10 @@ def _details(summary: dict) -> list[tuple[str, str]]:
         ("shared groups", f"{summary.get('shared_groups', 0):,}"),
         ("complete", _yes_no(summary.get("complete"))),
     ]
+    chunks = summary.get("chunks")
+    if chunks:
+        rows.append(("chunks", f"{chunks.get('complete', 0):,} complete, {chunks.get('incomplete', 0):,} incomplete "
+                               f"({chunks.get('members_missing', 0):,} members missing)"))
     if summary.get("interrupted"):
         rows.append(("interrupted", "yes: the report covers the keys read before the stop"))
     for name in ("read_mode", "device", "checker", "resumed_keys"):

@@ -41,6 +41,13 @@ def report_registry(report: Report, previous_success: float | None) -> Collector
     gauge("findings", "Keys with at least one finding in the last run.", summary["findings"])
     gauge("complete", "1 if the last run read every selected key.", 1 if summary["complete"] else 0)
     gauge("exit_code", "Exit code of the last run.", summary["exit_code"])
+    if "chunks" in summary:
+        chunks = Gauge("mooncake_audit_chunks", "Chunks (keys a producer publishes together) by state, last run.",
+                       ["state"], registry=registry)
+        chunks.labels(state="complete").set(summary["chunks"]["complete"])
+        chunks.labels(state="incomplete").set(summary["chunks"]["incomplete"])
+        gauge("chunk_members_missing", "Members missing from incomplete chunks in the last run.",
+              summary["chunks"]["members_missing"])
     by_verdict = Gauge("mooncake_audit_verdict_keys", "Keys per verdict in the last run.", ["verdict"],
                        registry=registry)
     for verdict in sorted(FINDINGS):
