@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +79,7 @@ class EngineRun:
     batches: list = field(default_factory=list)   # per batch, per prompt: {"tokens", "cached_tokens"}
     seconds: dict = field(default_factory=dict)
     vllm: dict = field(default_factory=dict)      # what vLLM resolved (producer.describe)
+    pid: int | None = None                        # the engine's main process
     wall_s: float = 0.0
     log_lines: list[str] = field(default_factory=list)
 
@@ -121,7 +123,7 @@ def run_engine(model_dir: Path, config_path: Path | None, batches: list[list[lis
         tail = "\n".join(text.splitlines()[-40:])
         raise EngineFailed(f"vLLM engine for {model_dir.name} exited {process.returncode}; log {log_path}:\n{tail}")
     result = json.loads(out_path.read_text())
-    return EngineRun(model=model_dir.name, log_path=log_path, batches=result["batches"], seconds=result["seconds"], vllm=result.get("vllm", {}),
+    return EngineRun(model=model_dir.name, log_path=log_path, batches=result["batches"], seconds=result["seconds"], vllm=result.get("vllm", {}), pid=result.get("pid"),
                      wall_s=round(time.monotonic() - started, 1), log_lines=interesting_lines(text))
 
 
@@ -190,3 +192,38 @@ def first_successful_put(records: list[dict]) -> dict[str, dict]:
         if record.get("rc") == 0 and not record.get("withheld") and record["key"] not in first:
             first[record["key"]] = record
     return first
+
+
+def key_sizes(cluster, keys: list[str]) -> dict[str, int]:
+    """Value sizes from the master's lease-free `/batch_query_keys` (no read, no lease)."""
+    sizes: dict[str, int] = {}
+    for start in range(0, len(keys), 200):
+        chunk = keys[start:start + 200]
+        query = ",".join(urllib.parse.quote(k, safe="@:") for k in chunk)
+        with urllib.request.urlopen(f"{cluster.admin_url}/batch_query_keys?keys={query}", timeout=10) as response:
+            document = json.loads(response.read())
+        for key, answer in (document.get("data") or {}).items():
+            replicas = answer.get("values") or []
+            if answer.get("ok") and replicas:
+                sizes[key] = int(replicas[0]["size_"])
+    return sizes
+
+
+KEY_RE = re.compile(r"^(?:(?P<prefix>.*)@)?(?P<model>[^@]+)@tp_rank:(?P<tp>\d+)@pcp(?P<pcp>\d+)@dcp(?P<dcp>\d+)"
+                    r"@pp_rank:(?P<pp>\d+)(?:@group:(?P<group>\d+))?@(?P<hash>[0-9a-f]+)$")
+
+
+def key_pattern(key: str) -> str:
+    """The key with its varying fields replaced: model@tp_rank:{t}@...@group:{g}@{hash}."""
+    match = KEY_RE.match(key)
+    if not match:
+        return "unparsed: " + key
+    group = "" if match["group"] is None else "@group:{g}"
+    return f"{match['model']}@tp_rank:{{t}}@pcp{match['pcp']}@dcp{match['dcp']}@pp_rank:{match['pp']}{group}@{{{len(match['hash'])} hex}}"
+
+
+def key_fields(key: str) -> dict:
+    match = KEY_RE.match(key)
+    return {} if not match else {"model": match["model"], "tp_rank": int(match["tp"]),
+                                 "group": None if match["group"] is None else int(match["group"]),
+                                 "hash": match["hash"]}

@@ -22,6 +22,7 @@ The result: {"batches": [[{"tokens": [...], "cached_tokens": n}, ...], ...], "se
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -50,9 +51,12 @@ def main(spec_path: str) -> int:
         kwargs.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
     llm = LLM(**kwargs)
     ready = time.monotonic()
-    result_layout = describe(llm)
+    try:
+        result_layout = describe(llm)
+    except Exception as error:  # a description is a by-product: never fail the run for it
+        result_layout = {"error": repr(error)}
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False)
-    result = {"batches": [], "vllm": result_layout}
+    result = {"batches": [], "vllm": result_layout, "pid": os.getpid()}
     for batch in spec["batches"]:
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
         result["batches"].append([{"tokens": list(o.outputs[0].token_ids), "cached_tokens": o.num_cached_tokens or 0}
@@ -99,7 +103,12 @@ def describe(llm) -> dict:
             entry["real_page_size_bytes"] = spec.real_page_size_bytes
         groups.append(entry)
     info["kv_cache_groups"] = groups
-    info["kv_cache_tensors"] = [{"size": t.size, "shared_by": list(t.shared_by)} for t in kv_cache_config.kv_cache_tensors]
+    tensors = []
+    for tensor in kv_cache_config.kv_cache_tensors:
+        tensors.append({name: (value if isinstance(value, (int, float, type(None))) else
+                               list(value) if isinstance(value, (list, tuple)) else str(value))
+                        for name, value in vars(tensor).items()})
+    info["kv_cache_tensors"] = tensors
     return info
 
 
