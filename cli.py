@@ -63,6 +63,10 @@ Device = Annotated[str, typer.Option("--device", envvar="MOONCAKE_AUDIT_DEVICE",
                                     help="Where values land: auto, cpu or cuda.")]
 Checker = Annotated[Optional[str], typer.Option("--checker", envvar="MOONCAKE_AUDIT_CHECKER",
                                                help="numpy or triton.", show_default="numpy on cpu, triton on cuda")]
+VerifyWriterChecksum = Annotated[bool, typer.Option(
+    "--verify-writer-checksum", envvar="MOONCAKE_AUDIT_VERIFY_WRITER_CHECKSUM",
+    help="Read with Mooncake's checksum verification on (MOONCAKE_STORE_CHECKSUM=1): a value whose writer "
+         "stored a CRC-64 that its bytes no longer match is CHECKSUM_MISMATCH. Lease reads only.")]
 # Layouts and block tables
 ModelConfig = Annotated[Optional[list[Path]], typer.Option(
     "--model-config", envvar="MOONCAKE_AUDIT_MODEL_CONFIG",
@@ -79,6 +83,17 @@ SsmDtype = Annotated[Optional[str], typer.Option("--ssm-dtype", envvar="MOONCAKE
 BlockSize = Annotated[Optional[int], typer.Option("--block-size", envvar="MOONCAKE_AUDIT_BLOCK_SIZE", min=1,
                                                  help="vLLM --block-size (hybrid models).")]
 ConvLayout = Annotated[str, typer.Option("--conv-layout", help="Conv state layout: SD or DS.")]
+KernelBlockSize = Annotated[Optional[int], typer.Option(
+    "--kernel-block-size", envvar="MOONCAKE_AUDIT_KERNEL_BLOCK_SIZE", min=1,
+    help="Attention backend's smallest kernel block: a hybrid model's block alignment "
+         "(16 CUDA FlashAttention/FlashInfer, 32 CPU, 64 ROCm AITER, >= 128 MLA).", show_default="the platform's")]
+KvCacheDtype = Annotated[Optional[str], typer.Option(
+    "--kv-cache-dtype", envvar="MOONCAKE_AUDIT_KV_CACHE_DTYPE", help="Attention KV dtype (vLLM --kv-cache-dtype).",
+    show_default="the model dtype")]
+Platform = Annotated[Optional[str], typer.Option(
+    "--platform", envvar="MOONCAKE_AUDIT_PLATFORM",
+    help="The producer's platform, cuda or cpu (vLLM's CPU build keeps ssm states in float32 and defaults "
+         "--block-size to 128).", show_default="cuda, then cpu where sizes say so")]
 LayoutFile = Annotated[Optional[list[Path]], typer.Option("--layout", envvar="MOONCAKE_AUDIT_LAYOUT",
                                                           help="Explicit JSON layout file. Repeatable.")]
 LayoutForAll = Annotated[bool, typer.Option("--layout-for-all",
@@ -117,6 +132,11 @@ PromFile = Annotated[Optional[Path], typer.Option("--prom-file", envvar="MOONCAK
                                                   help="node_exporter textfile to write (atomically).")]
 EvidenceDir = Annotated[Optional[Path], typer.Option("--evidence", envvar="MOONCAKE_AUDIT_EVIDENCE",
                                                      help="Save flagged keys' bytes and a JSON sidecar here (0700).")]
+RayAddress = Annotated[Optional[str], typer.Option(
+    "--ray", envvar="MOONCAKE_AUDIT_RAY", metavar="ADDRESS",
+    help="Read on a Ray cluster, one task per holder shard: auto, local, ray://HOST:PORT or a GCS HOST:PORT.")]
+ShardMb = Annotated[int, typer.Option("--shard-mb", envvar="MOONCAKE_AUDIT_SHARD_MB", min=1,
+                                      help="With --ray: MiB of values per Ray task.")]
 Pushgateway = Annotated[Optional[str], typer.Option("--pushgateway", envvar="MOONCAKE_AUDIT_PUSHGATEWAY",
                                                     help="Prometheus Pushgateway URL.")]
 
@@ -132,14 +152,16 @@ def _key_options(prefix: Prefix = "", match: Match = None) -> None:
     """Which keys."""
 
 
-def _read_options(buffer_mb: BufferMb = 256, device: Device = "auto", checker: Checker = None) -> None:
+def _read_options(buffer_mb: BufferMb = 256, device: Device = "auto", checker: Checker = None,
+                  verify_writer_checksum: VerifyWriterChecksum = False) -> None:
     """Where values land and what checks them."""
 
 
 def _model_options(model_config: ModelConfig = None, model: ModelName = None, tp_size: TpSize = 1,
-                   state_dtype: StateDtype = "bfloat16", ssm_dtype: SsmDtype = None, block_size: BlockSize = None,
+                   state_dtype: StateDtype = None, ssm_dtype: SsmDtype = None, block_size: BlockSize = None,
                    conv_layout: ConvLayout = "SD", layout: LayoutFile = None,
-                   layout_for_all: LayoutForAll = False) -> None:
+                   layout_for_all: LayoutForAll = False, kernel_block_size: KernelBlockSize = None,
+                   kv_cache_dtype: KvCacheDtype = None, platform: Platform = None) -> None:
     """The layout values follow."""
 
 
@@ -153,6 +175,10 @@ def _report_options(fmt: Format = "human", output: Output = None, include_all: A
 
 def _progress_option(progress: ShowProgress = None) -> None:
     """Progress on stderr."""
+
+
+def _scale_options(ray: RayAddress = None, shard_mb: ShardMb = 1024) -> None:
+    """Scale out on Ray (docs/scale-out.md)."""
 
 
 def _declared(*groups) -> list[inspect.Parameter]:
@@ -195,14 +221,17 @@ def _settings(master, metadata, admin, protocol, device_name, local_hostname, co
 
 
 def _plan(model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv_layout, layout, layout_for_all,
-          block_tables=None, lenient=False, include_all=False):
+          kernel_block_size=None, kv_cache_dtype=None, platform=None, block_tables=None, lenient=False,
+          include_all=False):
     from audit.blocktables import read_block_tables
     from audit.judge.plan import CheckPlan, load_layouts
 
     _check_choice("--conv-layout", conv_layout, ("SD", "DS"))
+    _check_choice("--platform", platform, ("cuda", "cpu"))
     layouts = load_layouts(model_configs=model_config or (), layout_files=layout or (), model_name=model,
                            tp_size=tp_size, state_dtype=state_dtype, ssm_dtype=ssm_dtype, block_size=block_size,
-                           conv_layout=conv_layout)
+                           conv_layout=conv_layout, kv_cache_dtype=kv_cache_dtype,
+                           kernel_block_size=kernel_block_size, platform=platform)
     tables = read_block_tables(block_tables, lenient=lenient) if block_tables else None
     return CheckPlan(layouts=layouts, layout_for_all=layout_for_all, tables=tables, keep_regions=include_all)
 
@@ -219,7 +248,8 @@ def _scan_report(options: dict, include_all: bool, progress, sink, **scan_option
     scan_options["sample"] = parse_sample(scan_options.get("sample"))
     settings = _settings(**_pick(options, _connection_options))
     plan = _plan(**_pick(options, _model_options, _block_table_options), include_all=include_all)
-    return run_scan(settings, ScanOptions(plan=plan, **scan_options), sink(), ScanProgress(progress))
+    return run_scan(settings, ScanOptions(plan=plan, **scan_options, **_pick(options, _scale_options)), sink(),
+                    ScanProgress(progress))
 
 
 def _run(options: dict, **scan_options):
@@ -239,7 +269,7 @@ def _run(options: dict, **scan_options):
     raise typer.Exit(report.exit_code)
 
 
-SCANNING = (_connection_options, _key_options, _read_options, _model_options, _block_table_options)
+SCANNING = (_connection_options, _key_options, _read_options, _model_options, _block_table_options, _scale_options)
 
 
 @app.command()
@@ -382,12 +412,114 @@ def purge(
     raise typer.Exit(0 if set(counts) <= {"would-remove", "removed", "gone"} else 3)
 
 
+@app.command()
+@_takes(_connection_options, _key_options, _model_options, after=(_report_options,))
+def verify(*, reference_prefix: Annotated[Optional[str], typer.Option(
+               "--reference-prefix", envvar="MOONCAKE_AUDIT_REFERENCE_PREFIX",
+               help="The reference producer's cache_prefix (its keys are '<prefix>@<model>@...'). Required.")] = None,
+           rtol: Annotated[Optional[float], typer.Option(
+               "--rtol", min=0.0, help="Largest relative L2 error of a region within tolerance.",
+               show_default="0.01 (docs/verify.md)")] = None,
+           min_cosine: Annotated[Optional[float], typer.Option(
+               "--min-cosine", min=-1.0, max=1.0, help="Smallest cosine similarity of a region within tolerance.",
+               show_default="0.999")] = None,
+           sample: Sample = None, seed: Seed = 0,
+           engine: Annotated[Optional[str], typer.Option(
+               "--engine", metavar="PYTHON", help="A python with vLLM: run --prompts through it first, publishing "
+                                                  "under --reference-prefix (needs --model-config MODEL_DIR).")] = None,
+           prompts: Annotated[Optional[Path], typer.Option(
+               "--prompts", help="JSONL, one prompt per line as token ids (for --engine).")] = None,
+           engine_arg: Annotated[Optional[list[str]], typer.Option(
+               "--engine-arg", metavar="NAME=JSON", help="One more vLLM LLM(...) argument for the reference "
+                                                         "engine (dtype=\"float32\", block_size=16). Repeatable.")] = None,
+           **options) -> None:
+    """Compare production values with a reference producer's recomputation of the same keys.
+
+    Every production key with a twin under --reference-prefix (same model, ranks, group and chunk
+    hash) is read with it and compared region by region: DIVERGENT_STATE beyond the tolerances.
+    Keys without a twin are counted (summary 'verify'), not flagged. Exit codes: 0 clean,
+    1 findings, 2 could not run, 3 incomplete.
+    """
+    from audit.sources.selection import parse_sample
+    from audit.verify import Tolerances
+    from audit.verify.compare import DEFAULT_MIN_COSINE, DEFAULT_RTOL
+    from audit.verify.run import VerifyOptions
+    from audit.verify.run import verify as run_verify
+
+    report_options = _pick(options, _report_options)
+    fmt, output, include_all = report_options["fmt"], report_options["output"], report_options["include_all"]
+    _check_choice("--format", fmt, FORMATS)
+    if not reference_prefix:
+        raise fail("give --reference-prefix PREFIX: the reference producer's cache_prefix")
+    if (engine is None) != (prompts is None):
+        raise fail("--engine and --prompts go together")
+    try:
+        connection = _pick(options, _connection_options)
+        settings = _settings(**connection)
+        keys = _pick(options, _key_options)
+        model_options = _pick(options, _model_options)
+        plan = _plan(**model_options, include_all=include_all)
+        reference_run = None
+        if engine is not None:
+            reference_run = _reference_engine(engine, prompts, engine_arg or [], reference_prefix, settings,
+                                              connection["config"], model_options, plan)
+        report = run_verify(settings, VerifyOptions(
+            reference_prefix=reference_prefix, plan=plan, prefix=keys["prefix"], match=keys["match"],
+            tolerances=Tolerances(DEFAULT_RTOL if rtol is None else rtol,
+                                  DEFAULT_MIN_COSINE if min_cosine is None else min_cosine),
+            sample=parse_sample(sample), seed=seed, reference_run=reference_run))
+        sink = make_sink(fmt, output, include_all=include_all)
+    except AuditError as error:
+        raise fail(str(error)) from None
+    for record in report.records:
+        sink.record(record)
+    sink.finish(report)
+    summary = report.summary["verify"]
+    typer.echo(f"verify: {summary['pairs_compared']} pair(s) compared, {summary['divergent']} divergent; "
+               f"{summary['unverified']} production key(s) unverified (no twin), "
+               f"{summary['reference_without_twin']} reference key(s) without a production twin", err=True)
+    raise typer.Exit(report.exit_code)
+
+
+def _reference_engine(engine, prompts, engine_args, reference_prefix, settings, config, model_options, plan) -> dict:
+    """Run the reference producer (audit/verify/driver.py) with the operator's vLLM python."""
+    from audit.verify.engine import read_prompts, run_reference
+    from audit.verify.pairing import normalize_prefix
+
+    model_dirs = [path for path in model_options.get("model_config") or () if Path(path).is_dir()]
+    if len(model_dirs) != 1:
+        raise AuditError("--engine needs exactly one --model-config MODEL_DIR (the weights production serves)")
+    model_dir = model_dirs[0].resolve()
+    if model_options.get("model") and model_options["model"] != model_dir.name:
+        raise AuditError(f"vLLM names keys by the model directory's basename ({model_dir.name!r}), not "
+                         f"--model {model_options['model']!r}: serve the reference from a directory of that name")
+    spec = {"model": str(model_dir), "prompts": read_prompts(prompts), "cache_prefix": normalize_prefix(reference_prefix),
+            "tp": model_options.get("tp_size") or 1}
+    if any(layout.kind != "attention" for layout in plan.layouts):
+        spec["mamba_cache_mode"] = "align"
+    for name, option in (("block_size", "block_size"), ("mamba_cache_dtype", "state_dtype"),
+                         ("mamba_ssm_cache_dtype", "ssm_dtype"), ("kv_cache_dtype", "kv_cache_dtype")):
+        if model_options.get(option):
+            spec[name] = model_options[option]
+    for item in engine_args:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise AuditError(f"--engine-arg {item!r}: give NAME=JSON")
+        try:
+            spec[name] = json.loads(value)
+        except json.JSONDecodeError:
+            spec[name] = value
+    typer.echo(f"verify: running {len(spec['prompts'])} prompt(s) through the reference engine ...", err=True)
+    return run_reference(engine, spec, settings, config)
+
+
 @app.command("layout")
 def layout_command(
     model_config: ModelConfig = None, model: ModelName = None, tp_size: TpSize = 1,
-    state_dtype: StateDtype = "bfloat16", ssm_dtype: SsmDtype = None, block_size: BlockSize = None,
+    state_dtype: StateDtype = None, ssm_dtype: SsmDtype = None, block_size: BlockSize = None,
     conv_layout: ConvLayout = "SD", layout: LayoutFile = None,
     fmt: Annotated[str, typer.Option("--format", help="human, or json (a layout file you can edit)")] = "human",
+    kernel_block_size: KernelBlockSize = None, kv_cache_dtype: KvCacheDtype = None, platform: Platform = None,
 ) -> None:
     """Print the byte layout of one key's value: segments, regions, offsets, bytes per key."""
     from audit.layouts import dump_layout_file
@@ -396,12 +528,14 @@ def layout_command(
 
     _check_choice("--format", fmt, ("human", "json"))
     _check_choice("--conv-layout", conv_layout, ("SD", "DS"))
+    _check_choice("--platform", platform, ("cuda", "cpu"))
     if not model_config and not layout:
         raise fail("give --model-config PATH or --layout PATH")
     try:
         layouts = load_layouts(model_configs=model_config or (), layout_files=layout or (), model_name=model,
                                tp_size=tp_size, state_dtype=state_dtype, ssm_dtype=ssm_dtype,
-                               block_size=block_size, conv_layout=conv_layout)
+                               block_size=block_size, conv_layout=conv_layout, kv_cache_dtype=kv_cache_dtype,
+                               kernel_block_size=kernel_block_size, platform=platform)
     except AuditError as error:
         raise fail(str(error)) from None
     if fmt == "json":

@@ -23,6 +23,8 @@ class Verdict(StrEnum):
     # Cross-key findings from key names, sizes and digests (docs/verdicts.md).
     INCOMPLETE_CHUNK = "INCOMPLETE_CHUNK"  # a member its producer publishes with this key is missing
     IDENTITY_SUSPECT = "IDENTITY_SUSPECT"  # size or bytes unlike the producer the name claims
+    # From `verify`: the value differs from a reference producer's recomputation of the same key.
+    DIVERGENT_STATE = "DIVERGENT_STATE"    # a state/KV region beyond tolerance of its reference twin
     # Recorded, not a finding: the key went away or changed between listing and reading.
     VANISHED = "VANISHED"                  # -704
     MOVED = "MOVED"                        # a lease-free read raced a change: the descriptor moved
@@ -34,7 +36,7 @@ class Verdict(StrEnum):
 FINDINGS = frozenset({Verdict.ZERO_VALUE, Verdict.SHARED_CONTENT, Verdict.CHECKSUM_MISMATCH,
                       Verdict.NULL_BACKED, Verdict.ZERO_STATE, Verdict.PARTIAL_ZERO, Verdict.NONFINITE,
                       Verdict.SIZE_MISMATCH, Verdict.REPLICA_DIVERGENT, Verdict.INCOMPLETE_CHUNK,
-                      Verdict.IDENTITY_SUSPECT})
+                      Verdict.IDENTITY_SUSPECT, Verdict.DIVERGENT_STATE})
 INCOMPLETE = frozenset({Verdict.UNREACHABLE, Verdict.READ_ERROR})
 
 

@@ -7,6 +7,7 @@ report, the checkpoint and the metrics are still written, marked interrupted (ex
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -20,6 +21,7 @@ from audit.errors import AuditError
 from audit.readers.buffers import ALIGNMENT
 from audit.readers.lease import LeaseReader
 from audit.layouts import summarize
+from audit.judge.chunks import ChunkIndex
 from audit.judge.merge import merge_records
 from audit.judge.plan import CheckPlan
 from audit.run.progress import ScanProgress
@@ -54,6 +56,9 @@ class ScanOptions:
     pushgateway: str | None = None
     evidence_dir: Path | None = None          # flagged keys' bytes and sidecars
     read_mode: str = "lease"                  # lease: batch_get_into; peek: lease-free raw reads (docs/read-modes.md)
+    verify_writer_checksum: bool = False      # Mooncake verifies the writer's CRC-64 on read (docs/verdicts.md)
+    ray: str | None = None                    # a Ray address: shards read by Ray tasks (docs/scale-out.md)
+    shard_mb: int = 1024                      # bytes per Ray task
 
     def scope(self, settings: Settings) -> dict:
         """What a checkpoint belongs to: resuming another scan's checkpoint would mix reports."""
@@ -77,6 +82,14 @@ def _buffer_bytes(keys: list[KeyInfo], options: ScanOptions) -> int:
         largest = max((key.size or 0 for key in keys), default=0)
         half = min(half, max(int(options.max_bandwidth / 4), largest + ALIGNMENT))
     return 2 * half
+
+
+def _verify_writer_checksum(options: ScanOptions) -> None:
+    """Mooncake's client reads MOONCAKE_STORE_CHECKSUM once per process, at its first read: it
+    verifies the CRC-64 a writer stored (when the writer had it on) on full-object lease reads."""
+    if options.read_mode != "lease":
+        raise AuditError("--verify-writer-checksum needs --read-mode lease: raw peek reads bypass Mooncake's check")
+    os.environ["MOONCAKE_STORE_CHECKSUM"] = "1"
 
 
 def _now() -> str:
@@ -133,12 +146,9 @@ def _confirm_shared(records: list[KeyRecord], reader) -> None:
         _confirm(pending, reader.confirm)
 
 
-def _read_all(keys, reader, checker, options: ScanOptions, stop: threading.Event, watch: MasterWatch,
-              checkpoint: Checkpoint | None, evidence: EvidenceStore | None, emit, confirm=None) -> str | None:
-    """Scan `keys`, handing each record to `emit`; the reason the scan stopped early, if it did.
-    `confirm` (peek reads): findings are read a second time before they are reported."""
-    deadline = Deadline(options.deadline_s, stop)
-
+def _after_batch(confirm, checkpoint: Checkpoint | None, watch: MasterWatch):
+    """What follows each checked batch, here and in a Ray task: findings read again (peek), the
+    checkpoint, the master's health."""
     def after_batch(batch: list[KeyRecord]) -> None:
         findings = [record for record in batch if record.is_finding and record.xxh3 is not None]
         if confirm is not None and findings:
@@ -146,10 +156,33 @@ def _read_all(keys, reader, checker, options: ScanOptions, stop: threading.Event
         if checkpoint is not None:
             checkpoint.append(batch)
         watch(batch)
+    return after_batch
 
+
+def _read_here(settings, admin, store, keys, checker, options: ScanOptions, stop: threading.Event,
+               checkpoint: Checkpoint | None, evidence: EvidenceStore | None, emit, records: list[KeyRecord]):
+    """This process reads every key; the reason it stopped early, if it did."""
+    reader = base_reader = _reader(settings, admin, store, keys, options)
+    if options.max_bandwidth:
+        reader = ThrottledReader(reader, options.max_bandwidth, stop)
     try:
-        for record in scan_keys(keys, reader, checker, options.plan, stop=stop, on_batch=after_batch,
-                                evidence=evidence):
+        reason = _read_all(keys, reader, checker, options, stop, MasterWatch(admin, stop), checkpoint, evidence,
+                           emit, getattr(base_reader, "confirm", None))
+        if hasattr(base_reader, "confirm"):
+            _confirm_shared(records, base_reader)
+    finally:
+        reader.close()
+    return reason
+
+
+def _read_all(keys, reader, checker, options: ScanOptions, stop: threading.Event, watch: MasterWatch,
+              checkpoint: Checkpoint | None, evidence: EvidenceStore | None, emit, confirm=None) -> str | None:
+    """Scan `keys`, handing each record to `emit`; the reason the scan stopped early, if it did.
+    `confirm` (peek reads): findings are read a second time before they are reported."""
+    deadline = Deadline(options.deadline_s, stop)
+    try:
+        for record in scan_keys(keys, reader, checker, options.plan, stop=stop,
+                                on_batch=_after_batch(confirm, checkpoint, watch), evidence=evidence):
             emit(record)
     finally:
         deadline.cancel()
@@ -188,22 +221,42 @@ def run_scan(settings: Settings, options: ScanOptions, sink, progress: ScanProgr
     return report
 
 
+def _connect_ray(settings: Settings, options: ScanOptions, closers: list):
+    """Before listing: a missing Ray or an unreachable Ray cluster is a reason not to run (exit 2)."""
+    try:
+        from audit.run.distributed import RayScan
+    except ModuleNotFoundError as error:
+        if error.name != "ray":
+            raise
+        raise AuditError("--ray needs Ray, which is not installed: pip install 'mooncake-audit[ray]'") from None
+    if options.evidence_dir is not None:
+        raise AuditError("--evidence writes bytes on the machine that read them: run it without --ray")
+    ray_scan = RayScan.connect(options.ray, settings)
+    closers.append(ray_scan.close)
+    return ray_scan
+
+
 def _scan(settings, options, sink, progress, key_filter, checker, state, signals: StopOnSignals,
           closers: list) -> Report:
     stop = signals.event
     admin = AdminClient(settings.admin)
     admin.health()
+    if options.verify_writer_checksum:
+        _verify_writer_checksum(options)
     store = open_store(settings)
     closers.append(store.close)
+    ray_scan = _connect_ray(settings, options, closers) if options.ray is not None else None
     context = {
         "started_at": _now(),
         "cluster": {"master": settings.master, "admin": settings.admin},
         "filters": {"prefix": options.prefix, "match": options.match},
         "read_mode": options.read_mode,
+        **({"writer_checksum_verified": True} if options.verify_writer_checksum else {}),
         "device": options.placement.device,
         "checker": checker.name,
     }
     records: list[KeyRecord] = []
+    chunks = None
     interrupted = False
     keys_listed = keys_selected = 0
     checkpoint = None
@@ -212,6 +265,9 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
     try:
         listing = AdminListing(admin, key_filter, size_of=store.get_size).list()
         keys_listed = len(listing.keys) + len(listing.vanished)
+        chunks = ChunkIndex.of((key.name, key.size) for key in listing.keys)
+        if options.plan.requests:  # the producer's dtypes and block sizes, from the sizes it wrote
+            context["layout_inference"] = options.plan.fit_sizes(listing.keys)
         context.update(_plan_context(options.plan, {key.name for key in listing.keys}))
         keys = _select(listing.keys, options, state, context)
         records.extend(_vanished_before_sizing(listing.vanished if options.sample is None else []))
@@ -221,9 +277,6 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
             records.extend(record for name, record in checkpoint.done.items())
             keys = [key for key in keys if key.name not in checkpoint.done]
             context["resumed_keys"] = len(checkpoint.done)
-        reader = base_reader = _reader(settings, admin, store, keys, options)
-        if options.max_bandwidth:
-            reader = ThrottledReader(reader, options.max_bandwidth, stop)
         progress.start(len(keys), sum(key.size or 0 for key in keys))
 
         def emit(record: KeyRecord) -> None:
@@ -232,13 +285,13 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
             progress.advance(1, record.size or 0)
 
         try:
-            reason = _read_all(keys, reader, checker, options, stop, MasterWatch(admin, stop), checkpoint,
-                               evidence, emit, getattr(base_reader, "confirm", None))
-            if hasattr(base_reader, "confirm"):
-                _confirm_shared(records, base_reader)
+            if ray_scan is not None:
+                reason = ray_scan.read(keys, options, stop, checkpoint, emit, records, context)
+            else:
+                reason = _read_here(settings, admin, store, keys, checker, options, stop, checkpoint, evidence,
+                                    emit, records)
         finally:
             progress.stop()
-            reader.close()
         interrupted = stop.is_set()
         reason = reason or (f"{signals.received} received" if signals.received else None)
         if reason:
@@ -257,7 +310,7 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
     context["finished_at"] = _now()
     report = merge_records(records, context=context, keys_listed=max(keys_listed, len(records)),
                            keys_selected=max(keys_selected, len(records)), interrupted=interrupted,
-                           duration_s=duration_s)
+                           duration_s=duration_s, chunks=chunks)
     if evidence is not None:
         evidence.finish(report)
     return report

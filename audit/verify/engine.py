@@ -1,0 +1,84 @@
+"""Driving a reference producer (`verify --engine PYTHON --prompts FILE`): the operator's python,
+which has vLLM, runs `audit/verify/driver.py` in a child process. Nothing here imports vLLM."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from audit.connection import Settings
+from audit.errors import AuditError
+
+DRIVER = Path(__file__).with_name("driver.py")
+
+
+def read_prompts(path: Path) -> list[list[int]]:
+    """Prompts as token ids, one per JSONL line: ``[1, 2, 3]`` or an object with ``prompt_token_ids``
+    (or ``token_ids``/``tokens``). Blank lines are skipped."""
+    prompts = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as error:
+        raise AuditError(f"cannot read prompts {path}: {error.strerror}") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise AuditError(f"{path}:{number}: not JSON ({error.msg})") from None
+        if isinstance(item, dict):
+            item = item.get("prompt_token_ids") or item.get("token_ids") or item.get("tokens")
+        if not isinstance(item, list) or not item or not all(isinstance(t, int) and t >= 0 for t in item):
+            raise AuditError(f"{path}:{number}: a prompt must be a non-empty list of token ids")
+        prompts.append(item)
+    if not prompts:
+        raise AuditError(f"{path}: no prompts")
+    return prompts
+
+
+def mooncake_config_for(settings: Settings, config: Path | None, work: Path) -> Path:
+    """The connector's JSON config: the operator's (--config), else one written from the settings."""
+    if config is not None:
+        return Path(config)
+    path = work / "mooncake.json"
+    path.write_text(json.dumps({"metadata_server": settings.metadata, "master_server_address": settings.master,
+                                "protocol": settings.protocol, "device_name": settings.device_name,
+                                "mode": "standalone-store", "global_segment_size": 0,
+                                "local_buffer_size": "256MB"}))
+    return path
+
+
+def run_reference(python: str, spec: dict, settings: Settings, config: Path | None, *,
+                  timeout_s: float = 3600.0, log=None) -> dict:
+    """Run the driver with `python`; returns what it did (prompts, seconds). Its log goes to stderr."""
+    with tempfile.TemporaryDirectory(prefix="mooncake-audit-verify-") as work:
+        work = Path(work)
+        spec = dict(spec, out=str(work / "out.json"))
+        (work / "spec.json").write_text(json.dumps(spec))
+        env = dict(os.environ, MOONCAKE_CONFIG_PATH=str(mooncake_config_for(settings, config, work)))
+        env.setdefault("VLLM_HOST_IP", settings.local_hostname or "")
+        if not env["VLLM_HOST_IP"]:
+            env.pop("VLLM_HOST_IP")
+        started = time.monotonic()
+        try:
+            process = subprocess.run([python, str(DRIVER), str(work / "spec.json")], env=env, cwd=work,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout_s)
+        except FileNotFoundError:
+            raise AuditError(f"--engine {python}: no such executable") from None
+        except subprocess.TimeoutExpired:
+            raise AuditError(f"the reference engine did not finish in {timeout_s:.0f} s") from None
+        output = process.stdout.decode(errors="replace")
+        if process.returncode != 0 or not (work / "out.json").exists():
+            tail = " | ".join(output.strip().splitlines()[-5:])
+            raise AuditError(f"the reference engine ({python}) exited {process.returncode}: {tail[-600:]}")
+        if log is not None:
+            log(output)
+        result = json.loads((work / "out.json").read_text())
+    result["wall_s"] = round(time.monotonic() - started, 1)
+    result.pop("tokens", None)
+    return result
