@@ -16,6 +16,8 @@ ERROR_NAMES = {
     # The auditor's own codes, never Mooncake's: outcomes of a lease-free read (audit.readers).
     -9001: "MOVED",
     -9002: "NOT_PEEKABLE",
+    -9003: "TASK_LOST",
 }
 MOVED = -9001         # a replica's descriptor changed while it was read raw: the bytes may be another value's
 NOT_PEEKABLE = -9002  # no memory replica to read lease-free (a key holding a comma, or disk-only replicas)
+TASK_LOST = -9003     # the Ray task reading the key died, and so did its retry

@@ -24,18 +24,18 @@ from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from audit.connection import AdminClient, Settings, open_store
-from audit.errors import AuditError
+from audit.errors import TASK_LOST, AuditError
 from audit.judge.plan import CheckPlan
 from audit.readers.buffers import ALIGNMENT
 from audit.readers.throttle import ThrottledReader
 from audit.records import KeyInfo, KeyRecord, Verdict
 from audit.run.checkpoint import Checkpoint
-from audit.run.orchestrator import ScanOptions, _after_batch, _confirm_shared, _reader
+from audit.run.options import ScanOptions
+from audit.run.reading import after_batch_hook, confirm_shared, make_reader
 from audit.run.scan import scan_keys
 from audit.run.shards import Shard, plan_shards
 from audit.run.stops import Deadline, MasterWatch
 
-TASK_LOST = -9003                 # the auditor's own code: the Ray task reading the key died twice
 CHUNK_KEYS = 1000                 # records per streamed chunk: a few MB at most, even with --all
 LOCAL_OBJECT_STORE = 128 << 20    # `--ray local`: records are small; Ray's default takes 30% of RAM
 WAIT_S = 0.5                      # how often the driver looks at Ctrl-C while waiting for chunks
@@ -82,7 +82,7 @@ def scan_shard(scan: str, settings: Settings, options: ScanOptions, plan: CheckP
         return
     stop = threading.Event()
     admin = AdminClient(settings.admin)
-    reader = base_reader = _reader(settings, admin, _store(settings, scan), keys, options)
+    reader = base_reader = make_reader(settings, admin, _store(settings, scan), keys, options)
     if options.max_bandwidth:
         reader = ThrottledReader(reader, options.max_bandwidth, stop)
     watch = MasterWatch(admin, stop)
@@ -90,7 +90,7 @@ def scan_shard(scan: str, settings: Settings, options: ScanOptions, plan: CheckP
     try:
         chunk: list[KeyRecord] = []
         for record in scan_keys(keys, reader, options.placement.checker(), plan, stop=stop,
-                                on_batch=_after_batch(getattr(base_reader, "confirm", None), None, watch)):
+                                on_batch=after_batch_hook(getattr(base_reader, "confirm", None), None, watch)):
             chunk.append(record)
             if len(chunk) == CHUNK_KEYS:
                 yield Chunk(chunk, node, worker)
@@ -233,7 +233,7 @@ class RayScan:
 
         reader = PeekReader(self.settings, AdminClient(self.settings.admin), 2 * ALIGNMENT)
         try:
-            _confirm_shared(records, reader)
+            confirm_shared(records, reader)
         finally:
             reader.close()
 

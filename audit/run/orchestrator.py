@@ -8,18 +8,12 @@ report, the checkpoint and the metrics are still written, marked interrupted (ex
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 
 from audit.connection import AdminClient, Settings, open_store
-from audit.run.device import Placement
 from audit.errors import AuditError
-from audit.readers.buffers import ALIGNMENT
-from audit.readers.lease import LeaseReader
 from audit.layouts import summarize
 from audit.judge.chunks import ChunkIndex
 from audit.judge.merge import merge_records
@@ -31,57 +25,12 @@ from audit.forensics.evidence import EvidenceStore
 from audit.report.metrics import export_metrics
 from audit.run.scan import scan_keys
 from audit.sources.selection import select_keys
-from audit.sources.listing import AdminListing, KeyFilter
+from audit.sources.listing import AdminListing
 from audit.run.statedir import StateDir
+from audit.run.options import ScanOptions
+from audit.run.reading import after_batch_hook, confirm_shared, make_reader
 from audit.run.stops import Deadline, MasterWatch, StopOnSignals
 from audit.readers.throttle import ThrottledReader
-
-
-@dataclass
-class ScanOptions:
-    prefix: str = ""
-    match: str | None = None
-    buffer_mb: int = 256
-    plan: CheckPlan = field(default_factory=CheckPlan)
-    placement: Placement = field(default_factory=lambda: Placement("cpu", "numpy"))
-    # Cron-friendly bounds (see docs/cron.md)
-    sample: int | float | None = None         # keys, or a fraction of the listing
-    seed: int = 0
-    state_dir: Path | None = None             # lock + keys seen before (sampled runs read every new key)
-    deadline_s: float | None = None
-    max_bandwidth: float | None = None        # bytes per second
-    checkpoint: Path | None = None
-    resume: bool = False
-    prom_file: Path | None = None
-    pushgateway: str | None = None
-    evidence_dir: Path | None = None          # flagged keys' bytes and sidecars
-    read_mode: str = "lease"                  # lease: batch_get_into; peek: lease-free raw reads (docs/read-modes.md)
-    verify_writer_checksum: bool = False      # Mooncake verifies the writer's CRC-64 on read (docs/verdicts.md)
-    ray: str | None = None                    # a Ray address: shards read by Ray tasks (docs/scale-out.md)
-    shard_mb: int = 1024                      # bytes per Ray task
-
-    def scope(self, settings: Settings) -> dict:
-        """What a checkpoint belongs to: resuming another scan's checkpoint would mix reports."""
-        return {"master": settings.master, "admin": settings.admin, "prefix": self.prefix, "match": self.match,
-                "sample": self.sample, "seed": self.seed}
-
-    def key_filter(self) -> KeyFilter:
-        try:
-            pattern = re.compile(self.match) if self.match else None
-        except re.error as error:
-            raise AuditError(f"--match is not a valid regular expression: {error}") from None
-        return KeyFilter(self.prefix, pattern)
-
-
-def _buffer_bytes(keys: list[KeyInfo], options: ScanOptions) -> int:
-    """No more than the scan needs (a small scan should not register 256 MiB); under a bandwidth
-    limit, batches of about a quarter second, so the pace is even."""
-    total = sum(ALIGNMENT + (key.size or 0) for key in keys)
-    half = min(options.buffer_mb << 19, max(total, ALIGNMENT))
-    if options.max_bandwidth:
-        largest = max((key.size or 0 for key in keys), default=0)
-        half = min(half, max(int(options.max_bandwidth / 4), largest + ALIGNMENT))
-    return 2 * half
 
 
 def _verify_writer_checksum(options: ScanOptions) -> None:
@@ -119,57 +68,17 @@ def _select(keys: list[KeyInfo], options: ScanOptions, state: StateDir | None, c
     return selected
 
 
-def _reader(settings: Settings, admin: AdminClient, store, keys: list[KeyInfo], options: ScanOptions):
-    if options.read_mode == "lease":
-        return LeaseReader(store, _buffer_bytes(keys, options), options.placement.buffer_type)
-    if options.placement.device != "cpu":
-        raise AuditError("--read-mode peek reads into host memory: use it with --device cpu")
-    from audit.readers.peek import PeekReader
-
-    return PeekReader(settings, admin, _buffer_bytes(keys, options))
-
-
-def _confirm(records: list[KeyRecord], confirm) -> None:
-    """A lease-free read may race a re-put: findings stand only if a second read sees the same bytes."""
-    from audit.readers.confirm import apply_confirmation
-
-    by_key = {record.key: record for record in records}
-    for key, confirmation in confirm(list(by_key.values())).items():
-        apply_confirmation(by_key[key], confirmation)
-
-
-def _confirm_shared(records: list[KeyRecord], reader) -> None:
-    """SHARED_CONTENT is known only across keys: confirm its members once the scan is done."""
-    merge_records(records, context={}, keys_listed=len(records))  # marks SHARED_CONTENT (idempotent)
-    pending = [r for r in records if Verdict.SHARED_CONTENT in r.verdicts and "confirmation" not in r.evidence]
-    if pending:
-        _confirm(pending, reader.confirm)
-
-
-def _after_batch(confirm, checkpoint: Checkpoint | None, watch: MasterWatch):
-    """What follows each checked batch, here and in a Ray task: findings read again (peek), the
-    checkpoint, the master's health."""
-    def after_batch(batch: list[KeyRecord]) -> None:
-        findings = [record for record in batch if record.is_finding and record.xxh3 is not None]
-        if confirm is not None and findings:
-            _confirm(findings, confirm)
-        if checkpoint is not None:
-            checkpoint.append(batch)
-        watch(batch)
-    return after_batch
-
-
 def _read_here(settings, admin, store, keys, checker, options: ScanOptions, stop: threading.Event,
                checkpoint: Checkpoint | None, evidence: EvidenceStore | None, emit, records: list[KeyRecord]):
     """This process reads every key; the reason it stopped early, if it did."""
-    reader = base_reader = _reader(settings, admin, store, keys, options)
+    reader = base_reader = make_reader(settings, admin, store, keys, options)
     if options.max_bandwidth:
         reader = ThrottledReader(reader, options.max_bandwidth, stop)
     try:
         reason = _read_all(keys, reader, checker, options, stop, MasterWatch(admin, stop), checkpoint, evidence,
                            emit, getattr(base_reader, "confirm", None))
         if hasattr(base_reader, "confirm"):
-            _confirm_shared(records, base_reader)
+            confirm_shared(records, base_reader)
     finally:
         reader.close()
     return reason
@@ -182,7 +91,7 @@ def _read_all(keys, reader, checker, options: ScanOptions, stop: threading.Event
     deadline = Deadline(options.deadline_s, stop)
     try:
         for record in scan_keys(keys, reader, checker, options.plan, stop=stop,
-                                on_batch=_after_batch(confirm, checkpoint, watch), evidence=evidence):
+                                on_batch=after_batch_hook(confirm, checkpoint, watch), evidence=evidence):
             emit(record)
     finally:
         deadline.cancel()

@@ -1,0 +1,66 @@
+"""How a run reads: the reader for its read mode, sized to the keys, and what follows each batch
+(findings read again on peek reads, the checkpoint, the master's health); shared by this process's
+scan and every Ray task."""
+
+from __future__ import annotations
+
+from audit.connection import AdminClient, Settings
+from audit.errors import AuditError
+from audit.judge.merge import merge_records
+from audit.readers.buffers import ALIGNMENT
+from audit.readers.lease import LeaseReader
+from audit.records import KeyInfo, KeyRecord, Verdict
+from audit.run.checkpoint import Checkpoint
+from audit.run.options import ScanOptions
+from audit.run.stops import MasterWatch
+
+
+def buffer_bytes(keys: list[KeyInfo], options: ScanOptions) -> int:
+    """No more than the scan needs (a small scan should not register 256 MiB); under a bandwidth
+    limit, batches of about a quarter second, so the pace is even."""
+    total = sum(ALIGNMENT + (key.size or 0) for key in keys)
+    half = min(options.buffer_mb << 19, max(total, ALIGNMENT))
+    if options.max_bandwidth:
+        largest = max((key.size or 0 for key in keys), default=0)
+        half = min(half, max(int(options.max_bandwidth / 4), largest + ALIGNMENT))
+    return 2 * half
+
+
+def make_reader(settings: Settings, admin: AdminClient, store, keys: list[KeyInfo], options: ScanOptions):
+    if options.read_mode == "lease":
+        return LeaseReader(store, buffer_bytes(keys, options), options.placement.buffer_type)
+    if options.placement.device != "cpu":
+        raise AuditError("--read-mode peek reads into host memory: use it with --device cpu")
+    from audit.readers.peek import PeekReader
+
+    return PeekReader(settings, admin, buffer_bytes(keys, options))
+
+
+def confirm_findings(records: list[KeyRecord], confirm) -> None:
+    """A lease-free read may race a re-put: findings stand only if a second read sees the same bytes."""
+    from audit.readers.confirm import apply_confirmation
+
+    by_key = {record.key: record for record in records}
+    for key, confirmation in confirm(list(by_key.values())).items():
+        apply_confirmation(by_key[key], confirmation)
+
+
+def confirm_shared(records: list[KeyRecord], reader) -> None:
+    """SHARED_CONTENT is known only across keys: confirm its members once the scan is done."""
+    merge_records(records, context={}, keys_listed=len(records))  # marks SHARED_CONTENT (idempotent)
+    pending = [r for r in records if Verdict.SHARED_CONTENT in r.verdicts and "confirmation" not in r.evidence]
+    if pending:
+        confirm_findings(pending, reader.confirm)
+
+
+def after_batch_hook(confirm, checkpoint: Checkpoint | None, watch: MasterWatch):
+    """What follows each checked batch, here and in a Ray task: findings read again (peek), the
+    checkpoint, the master's health."""
+    def after_batch(batch: list[KeyRecord]) -> None:
+        findings = [record for record in batch if record.is_finding and record.xxh3 is not None]
+        if confirm is not None and findings:
+            confirm_findings(findings, confirm)
+        if checkpoint is not None:
+            checkpoint.append(batch)
+        watch(batch)
+    return after_batch
