@@ -82,6 +82,7 @@ class EngineRun:
     pid: int | None = None                        # the engine's main process
     wall_s: float = 0.0
     log_lines: list[str] = field(default_factory=list)
+    unsent: object = None                         # with drain: per rank, store jobs still queued (or the error)
 
     def tokens(self, batch: int) -> list[list[int]]:
         return [p["tokens"] for p in self.batches[batch]]
@@ -93,17 +94,22 @@ class EngineRun:
 def run_engine(model_dir: Path, config_path: Path | None, batches: list[list[list[int]]], work: Path, *,
                mamba: bool, block_size: int | None, max_tokens: int = 8, record_dir: Path | None = None,
                guard: bool = False, bug: bool = False, retention_none: bool = False, tp: int = 1,
-               multiprocess: bool = False, dtype: str | None = None, timeout_s: float = 400.0, name: str = "engine") -> EngineRun:
+               multiprocess: bool = False, dtype: str | None = None, timeout_s: float = 400.0, name: str = "engine",
+               drain: bool = False) -> EngineRun:
     """Start one vLLM engine in a subprocess, generate `batches` greedily, return tokens and logs."""
     work.mkdir(parents=True, exist_ok=True)
     spec_path, out_path, log_path = work / f"{name}.spec.json", work / f"{name}.out.json", work / f"{name}.log"
     spec = dict(model=str(model_dir), batches=batches, max_tokens=max_tokens, block_size=block_size, mamba=mamba,
                 retention_none=retention_none, tp=tp, dtype=dtype, connector=config_path is not None, out=str(out_path))
+    if drain:  # wait for every rank's connector puts before shutdown (producer.drain_sends)
+        spec["drain"] = True
     spec_path.write_text(json.dumps(spec))
     env = _clean_env()
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1",
                VLLM_ENABLE_V1_MULTIPROCESSING="1" if (multiprocess or tp > 1) else "0",
                VLLM_LOGGING_LEVEL="INFO")
+    if drain and (multiprocess or tp > 1):  # collective_rpc with a function crosses processes pickled
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
     if config_path is not None:
@@ -124,7 +130,8 @@ def run_engine(model_dir: Path, config_path: Path | None, batches: list[list[lis
         raise EngineFailed(f"vLLM engine for {model_dir.name} exited {process.returncode}; log {log_path}:\n{tail}")
     result = json.loads(out_path.read_text())
     return EngineRun(model=model_dir.name, log_path=log_path, batches=result["batches"], seconds=result["seconds"], vllm=result.get("vllm", {}), pid=result.get("pid"),
-                     wall_s=round(time.monotonic() - started, 1), log_lines=interesting_lines(text))
+                     wall_s=round(time.monotonic() - started, 1), log_lines=interesting_lines(text),
+                     unsent=result.get("unsent_after_drain"))
 
 
 class EngineFailed(RuntimeError):
@@ -227,3 +234,23 @@ def key_fields(key: str) -> dict:
     return {} if not match else {"model": match["model"], "tp_rank": int(match["tp"]),
                                  "group": None if match["group"] is None else int(match["group"]),
                                  "hash": match["hash"]}
+
+
+REMOVE_SCRIPT = """
+import sys
+from pathlib import Path
+from audit.connection import Settings, open_store
+store = open_store(Settings.resolve(config=Path(sys.argv[1])))
+print(store.remove(sys.argv[2], True))
+store.close()
+"""
+
+
+def remove_key(config_path: Path, key: str, timeout_s: float = 60.0) -> int:
+    """`MooncakeDistributedStore.remove(key, force=True)` from a client of its own (a member evicted
+    or never put, as a test plants it); the return code (0: removed)."""
+    process = subprocess.run([sys.executable, "-c", REMOVE_SCRIPT, str(config_path), key], cwd=REPO,
+                             env=_clean_env(), capture_output=True, text=True, timeout=timeout_s)
+    if process.returncode != 0:
+        raise RuntimeError(f"remove {key!r} failed: {process.stderr.strip()[-500:]}")
+    return int(process.stdout.strip().splitlines()[-1])

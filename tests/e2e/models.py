@@ -29,6 +29,7 @@ class TinyModel:
     runs_on_cpu: bool = True
     why_not: str = ""
     config_extra: dict = field(default_factory=dict)  # keys added to config.json after saving
+    config_args: dict = field(default_factory=dict)   # overrides of the transformers config's arguments
 
 
 MODELS: dict[str, TinyModel] = {m.name: m for m in [
@@ -46,6 +47,17 @@ MODELS: dict[str, TinyModel] = {m.name: m for m in [
               why_not="Mamba1: the CPU build has no selective_scan_fwd kernel"),
 ]}
 
+# Only in tests/e2e/test_tp2.py (not the TP 1 matrix of test_vllm_e2e.py). TP 2 needs the attention
+# heads divisible by 2. With 2 KV heads, TP 2 shards the attention (one head per rank, keys tp_rank:0
+# and 1); with 1 KV head it is replicated (keys tp_rank:0 only).
+TP2_MODELS: dict[str, TinyModel] = {m.name: m for m in [
+    TinyModel("llama-tiny-kv2", "llama", "bfloat16", mamba=False, block_size=32,
+              config_args={"num_key_value_heads": 2}),
+    TinyModel("nemotron-h-tiny-tp2", "nemotron_h", "bfloat16", mamba=True, block_size=None,
+              config_args={"num_attention_heads": 2}),
+]}
+ALL_MODELS: dict[str, TinyModel] = {**MODELS, **TP2_MODELS}
+
 
 def hf_config(model: TinyModel):
     import transformers as t
@@ -59,13 +71,15 @@ def hf_config(model: TinyModel):
         return t.MambaConfig(hidden_size=64, num_hidden_layers=2, state_size=16, expand=2, conv_kernel=4, **common)
     if model.family == "llama":
         # head_dim 64: the CPU attention refuses 16
-        return t.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                             num_key_value_heads=1, head_dim=64, max_position_embeddings=4096, **common)
+        return t.LlamaConfig(**{**dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                       num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                       max_position_embeddings=4096, **common), **model.config_args})
     if model.family == "nemotron_h":
-        return t.NemotronHConfig(hidden_size=64, layers_block_type=["mamba", "attention", "mamba", "mlp"],
-                                 num_attention_heads=1, num_key_value_heads=1, head_dim=64, intermediate_size=128,
-                                 ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=1,
-                                 conv_kernel=4, expand=2, chunk_size=16, max_position_embeddings=4096, **common)
+        return t.NemotronHConfig(**{**dict(
+            hidden_size=64, layers_block_type=["mamba", "attention", "mamba", "mlp"], num_attention_heads=1,
+            num_key_value_heads=1, head_dim=64, intermediate_size=128, ssm_state_size=16, mamba_num_heads=8,
+            mamba_head_dim=16, n_groups=1, conv_kernel=4, expand=2, chunk_size=16, max_position_embeddings=4096,
+            **common), **model.config_args})
     if model.family == "falcon_h1":
         return t.FalconH1Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
                                 num_key_value_heads=1, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16,
@@ -114,10 +128,10 @@ def make(model: TinyModel, out: Path) -> Path:
 
 def main(argv: list[str]) -> int:
     out = Path(argv[0])
-    names = argv[1:] or [name for name, model in MODELS.items() if model.runs_on_cpu]
+    names = argv[1:] or [name for name, model in ALL_MODELS.items() if model.runs_on_cpu]
     made = {}
     for name in names:
-        made[name] = str(make(MODELS[name], out))
+        made[name] = str(make(ALL_MODELS[name], out))
     print(json.dumps(made))
     return 0
 
