@@ -22,7 +22,6 @@ from audit.run.progress import ScanProgress
 from audit.records import KeyInfo, KeyRecord, Report, Verdict
 from audit.run.checkpoint import Checkpoint
 from audit.forensics.evidence import EvidenceStore
-from audit.report.metrics import export_metrics
 from audit.run.scan import scan_keys
 from audit.sources.selection import select_keys
 from audit.sources.listing import AdminListing
@@ -111,6 +110,8 @@ def run_scan(settings: Settings, options: ScanOptions, sink, progress: ScanProgr
     state = StateDir(options.state_dir) if options.state_dir is not None else None
     closers: list = []  # closing the store takes about a second: after the report is out
     exporting = options.prom_file is not None or options.pushgateway is not None
+    if exporting:  # prometheus_client only where metrics are asked for
+        from audit.report.metrics import export_metrics
     try:
         signals = StopOnSignals()
         with signals:

@@ -4,23 +4,24 @@ from __future__ import annotations
 
 import sys
 
-from rich.console import Console
-from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                           TransferSpeedColumn)
-
 
 class ScanProgress:
     """One line: a bar by bytes, keys done of total, bytes, rate, ETA."""
 
     def __init__(self, enabled: bool | None = None):
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self._progress: Progress | None = None
+        self._progress = None
         self._task = None
         self._keys_done = 0
 
     def start(self, total_keys: int, total_bytes: int) -> None:
         if not self.enabled:
             return
+        # rich is imported only where a bar is shown: a cron run pays none of it
+        from rich.console import Console
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
+
         self._progress = Progress(
             TextColumn("scan"), BarColumn(),
             TextColumn("{task.fields[keys_done]}/{task.fields[keys_total]} keys"),
