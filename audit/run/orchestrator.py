@@ -146,6 +146,22 @@ def _connect_ray(settings: Settings, options: ScanOptions, closers: list):
     return ray_scan
 
 
+class _StoreWhenNeeded:
+    """The Mooncake store client, set up on first use: peek reads never need it (only a key the admin
+    API cannot size does), and its setup and close cost up to a second each (docs/benchmarks.md)."""
+
+    def __init__(self, settings: Settings, closers: list):
+        self.settings = settings
+        self.closers = closers
+        self._store = None
+
+    def client(self):
+        if self._store is None:
+            self._store = open_store(self.settings)
+            self.closers.append(self._store.close)
+        return self._store
+
+
 def _scan(settings, options, sink, progress, key_filter, checker, state, signals: StopOnSignals,
           closers: list) -> Report:
     stop = signals.event
@@ -153,8 +169,9 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
     admin.health()
     if options.verify_writer_checksum:
         _verify_writer_checksum(options)
-    store = open_store(settings)
-    closers.append(store.close)
+    store = _StoreWhenNeeded(settings, closers)
+    if options.read_mode == "lease":
+        store.client()  # a master the client cannot reach is a reason not to run (exit 2), found now
     ray_scan = _connect_ray(settings, options, closers) if options.ray is not None else None
     context = {
         "started_at": _now(),
@@ -173,7 +190,7 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
     evidence = EvidenceStore(options.evidence_dir) if options.evidence_dir is not None else None
     started = time.perf_counter()
     try:
-        listing = AdminListing(admin, key_filter, size_of=store.get_size).list()
+        listing = AdminListing(admin, key_filter, size_of=lambda key: store.client().get_size(key)).list()
         keys_listed = len(listing.keys) + len(listing.vanished)
         chunks = ChunkIndex.of((key.name, key.size) for key in listing.keys)
         if options.plan.requests:  # the producer's dtypes and block sizes, from the sizes it wrote
@@ -198,8 +215,8 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
             if ray_scan is not None:
                 reason = ray_scan.read(keys, options, stop, checkpoint, emit, records, context)
             else:
-                reason = _read_here(settings, admin, store, keys, checker, options, stop, checkpoint, evidence,
-                                    emit, records)
+                reason = _read_here(settings, admin, store.client() if options.read_mode == "lease" else None,
+                                    keys, checker, options, stop, checkpoint, evidence, emit, records)
         finally:
             progress.stop()
         interrupted = stop.is_set()
