@@ -148,7 +148,9 @@ def _connect_ray(settings: Settings, options: ScanOptions, closers: list):
 
 class _StoreWhenNeeded:
     """The Mooncake store client, set up on first use: peek reads never need it (only a key the admin
-    API cannot size does), and its setup and close cost up to a second each (docs/benchmarks.md)."""
+    API cannot size does), and lease reads need it only once the keys are listed. Its `close()` waits
+    for the client's one-second ticks, counted from its setup (docs/benchmarks.md): the later the
+    setup, the less of the run it rounds up. A master it cannot reach still fails before any read."""
 
     def __init__(self, settings: Settings, closers: list):
         self.settings = settings
@@ -170,8 +172,6 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
     if options.verify_writer_checksum:
         _verify_writer_checksum(options)
     store = _StoreWhenNeeded(settings, closers)
-    if options.read_mode == "lease":
-        store.client()  # a master the client cannot reach is a reason not to run (exit 2), found now
     ray_scan = _connect_ray(settings, options, closers) if options.ray is not None else None
     context = {
         "started_at": _now(),
