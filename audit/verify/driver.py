@@ -28,6 +28,7 @@ The Mooncake config comes from ``MOONCAKE_CONFIG_PATH``, as for any vLLM produce
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -86,10 +87,8 @@ def main(argv: list[str]) -> int:
             json.dump(result, handle)
     else:
         print(json.dumps(result))
-    try:
+    with contextlib.suppress(Exception):  # best effort: the process exits next anyway
         llm.llm_engine.engine_core.shutdown()
-    except Exception:  # best effort: the process exits next anyway
-        pass
     return 0
 
 

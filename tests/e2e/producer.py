@@ -23,6 +23,7 @@ The result: {"batches": [[{"tokens": [...], "cached_tokens": n}, ...], ...], "se
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -75,10 +76,8 @@ def main(spec_path: str) -> int:
                          "generate": round(generated - ready, 1)}
     with open(spec["out"], "w") as out:
         json.dump(result, out)
-    try:
+    with contextlib.suppress(Exception):  # best effort: the process exits next anyway
         llm.llm_engine.engine_core.shutdown()
-    except Exception:  # best effort: the process exits next anyway
-        pass
     return 0
 
 

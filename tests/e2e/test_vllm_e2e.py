@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
