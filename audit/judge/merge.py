@@ -39,6 +39,15 @@ def _shared_groups(records: list[KeyRecord]) -> list[dict]:
     return groups
 
 
+def mark_shared_content(records: list[KeyRecord]) -> list[dict]:
+    """Set SHARED_CONTENT on `records` (idempotently: marking twice must not double it); the groups."""
+    for record in records:
+        if Verdict.SHARED_CONTENT in record.verdicts:
+            record.verdicts.remove(Verdict.SHARED_CONTENT)
+            record.evidence.pop("shared_content", None)
+    return _shared_groups(records)
+
+
 def exit_code_for(findings: int, incomplete: bool) -> int:
     if findings:
         return 1
@@ -56,11 +65,7 @@ def merge_records(records: Iterable[KeyRecord], *, context: dict, keys_listed: i
     """
     keys_selected = keys_listed if keys_selected is None else keys_selected
     records = list(records)
-    for record in records:  # merging twice must not double cross-key verdicts
-        if Verdict.SHARED_CONTENT in record.verdicts:
-            record.verdicts.remove(Verdict.SHARED_CONTENT)
-            record.evidence.pop("shared_content", None)
-    groups = _shared_groups(records)
+    groups = mark_shared_content(records)
     chunk_summary = mark_chunks(records, chunks)
     verdicts = Counter(v for record in records for v in record.verdicts)
     findings = sum(1 for record in records if record.is_finding)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from audit.connection import AdminClient, Settings
 from audit.errors import AuditError
-from audit.judge.merge import merge_records
+from audit.judge.merge import mark_shared_content
 from audit.readers.buffers import ALIGNMENT
 from audit.readers.lease import LeaseReader
 from audit.records import KeyInfo, KeyRecord, Verdict
@@ -47,7 +47,7 @@ def confirm_findings(records: list[KeyRecord], confirm) -> None:
 
 def confirm_shared(records: list[KeyRecord], reader) -> None:
     """SHARED_CONTENT is known only across keys: confirm its members once the scan is done."""
-    merge_records(records, context={}, keys_listed=len(records))  # marks SHARED_CONTENT (idempotent)
+    mark_shared_content(records)  # only SHARED_CONTENT: the full merge, chunk checks included, comes after
     pending = [r for r in records if Verdict.SHARED_CONTENT in r.verdicts and "confirmation" not in r.evidence]
     if pending:
         confirm_findings(pending, reader.confirm)
