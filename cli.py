@@ -73,13 +73,21 @@ ModelConfig = Annotated[Optional[list[Path]], typer.Option(
     help="HuggingFace config.json (or model directory) whose layout the values follow. Repeatable.")]
 ModelName = Annotated[Optional[str], typer.Option(
     "--model", help="Model name as it appears in keys.", show_default="the config's directory name")]
-TpSize = Annotated[int, typer.Option("--tp-size", envvar="MOONCAKE_AUDIT_TP_SIZE", min=1,
-                                    help="Tensor-parallel size of the producer.")]
-StateDtype = Annotated[str, typer.Option("--state-dtype", envvar="MOONCAKE_AUDIT_STATE_DTYPE",
-                                        help="Conv state dtype (vLLM --mamba-cache-dtype).")]
-SsmDtype = Annotated[Optional[str], typer.Option("--ssm-dtype", envvar="MOONCAKE_AUDIT_SSM_DTYPE",
-                                                help="SSM state dtype (vLLM --mamba-ssm-cache-dtype).",
-                                                show_default="the state dtype")]
+TpSize = Annotated[Optional[int], typer.Option(
+    "--tensor-parallel-size", "-tp", "--tp-size", envvar="MOONCAKE_AUDIT_TP_SIZE", min=1,
+    help="vLLM --tensor-parallel-size of the producer.", show_default="fitted to the sizes (1 first)")]
+ModelDtype = Annotated[Optional[str], typer.Option(
+    "--dtype", envvar="MOONCAKE_AUDIT_DTYPE",
+    help="vLLM --dtype of the producer (auto, bfloat16, float16, float32).", show_default="auto")]
+StateDtype = Annotated[Optional[str], typer.Option(
+    "--mamba-cache-dtype", "--state-dtype", envvar="MOONCAKE_AUDIT_STATE_DTYPE",
+    help="vLLM --mamba-cache-dtype: the conv state dtype.", show_default="auto")]
+SsmDtype = Annotated[Optional[str], typer.Option(
+    "--mamba-ssm-cache-dtype", "--ssm-dtype", envvar="MOONCAKE_AUDIT_SSM_DTYPE",
+    help="vLLM --mamba-ssm-cache-dtype: the ssm state dtype.", show_default="auto")]
+VllmConfig = Annotated[Optional[Path], typer.Option(
+    "--vllm-config", envvar="MOONCAKE_AUDIT_VLLM_CONFIG",
+    help="The YAML file `vllm serve --config` read: its dtype, block-size and TP flags (flags here win).")]
 BlockSize = Annotated[Optional[int], typer.Option("--block-size", envvar="MOONCAKE_AUDIT_BLOCK_SIZE", min=1,
                                                  help="vLLM --block-size (hybrid models).")]
 ConvLayout = Annotated[str, typer.Option("--conv-layout", help="Conv state layout: SD or DS.")]
@@ -139,6 +147,13 @@ ShardMb = Annotated[int, typer.Option("--shard-mb", envvar="MOONCAKE_AUDIT_SHARD
                                       help="With --ray: MiB of values per Ray task.")]
 Pushgateway = Annotated[Optional[str], typer.Option("--pushgateway", envvar="MOONCAKE_AUDIT_PUSHGATEWAY",
                                                     help="Prometheus Pushgateway URL.")]
+# Other tenants (docs/coverage.md)
+TenantOpt = Annotated[Optional[list[str]], typer.Option(
+    "--tenant", metavar="NAME", help="Also audit this Mooncake tenant's keys (or all tenants), named by key "
+                                     "sources, read through a client of that tenant (lease reads). Repeatable.")]
+KeysOpt = Annotated[Optional[list[Path]], typer.Option(
+    "--keys", metavar="FILE", help="A key source for --tenant: a key list (one per line), a JSON/JSONL report "
+                                   "or a snapshot. The recorder's --block-tables name keys too. Repeatable.")]
 
 
 # Option groups, each declared once by a signature and given to every command that takes it (`_takes`).
@@ -157,11 +172,12 @@ def _read_options(buffer_mb: BufferMb = 256, device: Device = "auto", checker: C
     """Where values land and what checks them."""
 
 
-def _model_options(model_config: ModelConfig = None, model: ModelName = None, tp_size: TpSize = 1,
-                   state_dtype: StateDtype = None, ssm_dtype: SsmDtype = None, block_size: BlockSize = None,
-                   conv_layout: ConvLayout = "SD", layout: LayoutFile = None,
+def _model_options(model_config: ModelConfig = None, model: ModelName = None, tp_size: TpSize = None,
+                   dtype: ModelDtype = None, state_dtype: StateDtype = None, ssm_dtype: SsmDtype = None,
+                   block_size: BlockSize = None, conv_layout: ConvLayout = "SD", layout: LayoutFile = None,
                    layout_for_all: LayoutForAll = False, kernel_block_size: KernelBlockSize = None,
-                   kv_cache_dtype: KvCacheDtype = None, platform: Platform = None) -> None:
+                   kv_cache_dtype: KvCacheDtype = None, platform: Platform = None,
+                   vllm_config: VllmConfig = None) -> None:
     """The layout values follow."""
 
 
@@ -179,6 +195,10 @@ def _progress_option(progress: ShowProgress = None) -> None:
 
 def _scale_options(ray: RayAddress = None, shard_mb: ShardMb = 1024) -> None:
     """Scale out on Ray (docs/scale-out.md)."""
+
+
+def _tenant_options(tenants: TenantOpt = None, key_files: KeysOpt = None) -> None:
+    """Other tenants' keys, which the admin listing cannot show."""
 
 
 def _declared(*groups) -> list[inspect.Parameter]:
@@ -220,20 +240,45 @@ def _settings(master, metadata, admin, protocol, device_name, local_hostname, co
                             device_name=device_name, local_hostname=local_hostname, config=config)
 
 
-def _plan(model_config, model, tp_size, state_dtype, ssm_dtype, block_size, conv_layout, layout, layout_for_all,
-          kernel_block_size=None, kv_cache_dtype=None, platform=None, block_tables=None, lenient=False,
-          include_all=False):
-    from audit.blocktables import read_block_tables
-    from audit.judge.plan import CheckPlan, load_layouts
+def _serve_flags(tp_size=None, dtype=None, state_dtype=None, ssm_dtype=None, block_size=None, kv_cache_dtype=None,
+                 vllm_config=None) -> dict:
+    """The operator's vLLM flags as `load_layouts` takes them: the command line over --vllm-config."""
+    from audit.layouts.model import LayoutError
+    from audit.layouts.serve_flags import ServeFlags, read_serve_config
+
+    flags = ServeFlags.given(model_dtype=dtype, kv_cache_dtype=kv_cache_dtype, state_dtype=state_dtype,
+                             ssm_dtype=ssm_dtype, block_size=block_size, tp_size=tp_size)
+    if vllm_config is not None:
+        try:
+            flags = flags.over(read_serve_config(vllm_config))
+        except LayoutError as error:
+            raise AuditError(str(error)) from None
+    return {"model_dtype": flags.model_dtype, "kv_cache_dtype": flags.kv_cache_dtype,
+            "state_dtype": flags.state_dtype, "ssm_dtype": flags.ssm_dtype, "block_size": flags.block_size,
+            "tp_size": flags.tp_size or 1, "tp_given": flags.tp_size is not None}
+
+
+def _layouts(model_config, model, conv_layout, layout, kernel_block_size=None, platform=None, **flags):
+    from audit.judge.plan import load_layouts
 
     _check_choice("--conv-layout", conv_layout, ("SD", "DS"))
     _check_choice("--platform", platform, ("cuda", "cpu"))
-    layouts = load_layouts(model_configs=model_config or (), layout_files=layout or (), model_name=model,
-                           tp_size=tp_size, state_dtype=state_dtype, ssm_dtype=ssm_dtype, block_size=block_size,
-                           conv_layout=conv_layout, kv_cache_dtype=kv_cache_dtype,
-                           kernel_block_size=kernel_block_size, platform=platform)
+    return load_layouts(model_configs=model_config or (), layout_files=layout or (), model_name=model,
+                        conv_layout=conv_layout, kernel_block_size=kernel_block_size, platform=platform,
+                        **_serve_flags(**flags))
+
+
+def _plan(model_config, model, conv_layout, layout, layout_for_all, block_tables=None, lenient=False,
+          include_all=False, **layout_options):
+    from audit.blocktables import read_block_tables
+    from audit.judge.plan import CheckPlan
+
+    layouts = _layouts(model_config, model, conv_layout, layout, **layout_options)
     tables = read_block_tables(block_tables, lenient=lenient) if block_tables else None
-    return CheckPlan(layouts=layouts, layout_for_all=layout_for_all, tables=tables, keep_regions=include_all)
+    plan = CheckPlan(layouts=layouts, layout_for_all=layout_for_all, tables=tables, keep_regions=include_all)
+    if block_tables:  # the recorder's manifests beside its records: the producer's own layouts
+        plan.use_manifests(block_tables)
+    return plan
 
 
 def _scan_report(options: dict, include_all: bool, progress, sink, **scan_options):
@@ -248,8 +293,9 @@ def _scan_report(options: dict, include_all: bool, progress, sink, **scan_option
     scan_options["sample"] = parse_sample(scan_options.get("sample"))
     settings = _settings(**_pick(options, _connection_options))
     plan = _plan(**_pick(options, _model_options, _block_table_options), include_all=include_all)
-    return run_scan(settings, ScanOptions(plan=plan, **scan_options, **_pick(options, _scale_options)), sink(),
-                    ScanProgress(progress))
+    tenants = {name: tuple(value or ()) for name, value in _pick(options, _tenant_options).items()}
+    return run_scan(settings, ScanOptions(plan=plan, **scan_options, **_pick(options, _scale_options), **tenants),
+                    sink(), ScanProgress(progress))
 
 
 def _run(options: dict, **scan_options):
@@ -269,7 +315,8 @@ def _run(options: dict, **scan_options):
     raise typer.Exit(report.exit_code)
 
 
-SCANNING = (_connection_options, _key_options, _read_options, _model_options, _block_table_options, _scale_options)
+SCANNING = (_connection_options, _key_options, _tenant_options, _read_options, _model_options, _block_table_options,
+            _scale_options)
 
 
 @app.command()
@@ -493,14 +540,16 @@ def _reference_engine(engine, prompts, engine_args, reference_prefix, settings, 
     if model_options.get("model") and model_options["model"] != model_dir.name:
         raise AuditError(f"vLLM names keys by the model directory's basename ({model_dir.name!r}), not "
                          f"--model {model_options['model']!r}: serve the reference from a directory of that name")
+    flags = _serve_flags(**{name: model_options.get(name) for name in (
+        "tp_size", "dtype", "state_dtype", "ssm_dtype", "block_size", "kv_cache_dtype", "vllm_config")})
     spec = {"model": str(model_dir), "prompts": read_prompts(prompts), "cache_prefix": normalize_prefix(reference_prefix),
-            "tp": model_options.get("tp_size") or 1}
+            "tp": flags["tp_size"]}
     if any(layout.kind != "attention" for layout in plan.layouts):
         spec["mamba_cache_mode"] = "align"
-    for name, option in (("block_size", "block_size"), ("mamba_cache_dtype", "state_dtype"),
+    for name, option in (("block_size", "block_size"), ("dtype", "model_dtype"), ("mamba_cache_dtype", "state_dtype"),
                          ("mamba_ssm_cache_dtype", "ssm_dtype"), ("kv_cache_dtype", "kv_cache_dtype")):
-        if model_options.get(option):
-            spec[name] = model_options[option]
+        if flags.get(option):
+            spec[name] = flags[option]
     for item in engine_args:
         name, sep, value = item.partition("=")
         if not sep or not name:
@@ -515,33 +564,37 @@ def _reference_engine(engine, prompts, engine_args, reference_prefix, settings, 
 
 @app.command("layout")
 def layout_command(
-    model_config: ModelConfig = None, model: ModelName = None, tp_size: TpSize = 1,
+    model_config: ModelConfig = None, model: ModelName = None, tp_size: TpSize = None, dtype: ModelDtype = None,
     state_dtype: StateDtype = None, ssm_dtype: SsmDtype = None, block_size: BlockSize = None,
     conv_layout: ConvLayout = "SD", layout: LayoutFile = None,
     fmt: Annotated[str, typer.Option("--format", help="human, or json (a layout file you can edit)")] = "human",
     kernel_block_size: KernelBlockSize = None, kv_cache_dtype: KvCacheDtype = None, platform: Platform = None,
+    vllm_config: VllmConfig = None, block_tables: BlockTablesOpt = None,
 ) -> None:
     """Print the byte layout of one key's value: segments, regions, offsets, bytes per key."""
+    from audit.judge.plan import CheckPlan
     from audit.layouts import dump_layout_file
-    from audit.judge.plan import load_layouts
     from audit.report.views import print_layouts
 
     _check_choice("--format", fmt, ("human", "json"))
-    _check_choice("--conv-layout", conv_layout, ("SD", "DS"))
-    _check_choice("--platform", platform, ("cuda", "cpu"))
-    if not model_config and not layout:
-        raise fail("give --model-config PATH or --layout PATH")
+    if not model_config and not layout and not block_tables:
+        raise fail("give --model-config PATH, --layout PATH or --block-tables DIR (the recorder's manifests)")
     try:
-        layouts = load_layouts(model_configs=model_config or (), layout_files=layout or (), model_name=model,
-                               tp_size=tp_size, state_dtype=state_dtype, ssm_dtype=ssm_dtype,
-                               block_size=block_size, conv_layout=conv_layout, kv_cache_dtype=kv_cache_dtype,
-                               kernel_block_size=kernel_block_size, platform=platform)
+        layouts = _layouts(model_config, model, conv_layout, layout, kernel_block_size=kernel_block_size,
+                           platform=platform, tp_size=tp_size, dtype=dtype, state_dtype=state_dtype,
+                           ssm_dtype=ssm_dtype, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+                           vllm_config=vllm_config)
+        plan = CheckPlan(layouts=layouts)
+        if block_tables:  # a manifest's layouts replace those of the models it covers
+            plan.use_manifests(block_tables)
     except AuditError as error:
         raise fail(str(error)) from None
+    if block_tables and plan.manifests is None and not plan.layouts:
+        raise fail(f"no manifest-*.json in {', '.join(map(str, block_tables))}")
     if fmt == "json":
-        typer.echo(json.dumps(dump_layout_file(layouts), indent=1))
+        typer.echo(json.dumps(dump_layout_file(plan.layouts), indent=1))
     else:
-        print_layouts(layouts)
+        print_layouts(plan.layouts, source_of=plan.manifests.source_of if plan.manifests else None)
 
 
 @app.command()

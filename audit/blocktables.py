@@ -3,7 +3,8 @@
 JSONL, one record per line, in one of two shapes (docs/block-tables.md):
 
 - per key:     {"key": "...", "block_id": N}  or  {"key": "...", "block_ids": [N, ...]} (one per
-               segment, as the recorder plugin writes them); other fields are kept as context.
+               segment, as the recorder plugin writes them), with "tenant" where the publishing
+               client joined a Mooncake tenant other than the default; other fields are context.
 - per request: {"req_id", "model", "tp_rank", "pp_rank", "pcp", "dcp", "cache_prefix", "group",
                "block_size", "block_ids": [...], "chunk_hashes": [...]}: block_ids[i] backs the
                chunk whose hash is chunk_hashes[i]; expanded to vLLM keys.
@@ -13,19 +14,24 @@ Mooncake keeps the first copy of a key (a later put returns 0 and changes nothin
 carry the put's outcome (`rc`, and `withheld` from the guard, as the recorder writes them), the
 source is the earliest successful put; failed and withheld puts are attempts, counted, never the
 source. Records without an outcome are all evidence: any of them naming the null block counts.
+The recorder's manifests (``manifest-*.json``) in the same directories are layouts, read by
+`audit.layouts.manifest`, never as block tables.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from audit.errors import AuditError
 from audit.keys import vllm_key
+from audit.layouts.manifest import is_manifest_path
 
 NULL_BLOCK_ID = 0
+DEFAULT_TENANT = "default"  # Mooncake's, for a client whose setup() names none; records name only others
 
 
 STORED, FAILED = "stored", "failed"  # a put's outcome, where a record says it
@@ -40,6 +46,7 @@ class BlockTableEntry:
     boundary: int | None = None  # tokens up to the end of this chunk (per-request records with block_size)
     stored_at: float | None = None  # when the put that `block_ids` come from succeeded, if records say
     stored: bool = False            # `block_ids` are those of a successful put (the key's first copy)
+    tenant: str = DEFAULT_TENANT    # the Mooncake tenant the publishing client joined, where records say
 
     @property
     def null_backed(self) -> bool:
@@ -59,7 +66,8 @@ class BlockTables:
         return self.entries.get(key)
 
     def add(self, key: str, block_ids: tuple[int, ...], source: str, req_id: str | None,
-            boundary: int | None = None, outcome: str | None = None, at: float | None = None) -> None:
+            boundary: int | None = None, outcome: str | None = None, at: float | None = None,
+            tenant: str = DEFAULT_TENANT) -> None:
         if outcome == FAILED:
             self.failed_puts += 1
             return
@@ -67,9 +75,10 @@ class BlockTables:
         entry = self.entries.get(key)
         if entry is None:
             entry = self.entries[key] = BlockTableEntry(key, block_ids, boundary=boundary, stored=stored,
-                                                        stored_at=at if stored else None)
+                                                        stored_at=at if stored else None, tenant=tenant)
         elif stored and (not entry.stored or _earlier(at, entry.stored_at)):
             entry.block_ids, entry.stored, entry.stored_at = block_ids, True, at  # the first copy is the one kept
+            entry.tenant = tenant
         elif not stored and not entry.stored and NULL_BLOCK_ID in block_ids and not entry.null_backed:
             entry.block_ids = block_ids  # without outcomes, any record mapping the key to the null block is evidence
         entry.sources.append(source)
@@ -87,6 +96,7 @@ class BlockTables:
             "skipped_lines": self.skipped_lines,
             "unresolved_records": self.unresolved,
             "failed_puts": self.failed_puts,
+            "tenants": dict(Counter(entry.tenant for entry in self.entries.values())),
         }
 
 
@@ -163,11 +173,12 @@ def _expand(record: dict) -> Iterator[tuple[str, tuple[int, ...], int | None]]:
 
 
 def _files(paths: Iterable[Path]) -> Iterator[Path]:
+    """Block-table files; the recorder's manifests beside them are layouts (audit.layouts.manifest)."""
     for path in paths:
         path = Path(path)
         if path.is_dir():
             yield from sorted(p for p in path.rglob("*.jsonl*") if p.is_file())
-        else:
+        elif not is_manifest_path(path):
             yield path
 
 
@@ -208,7 +219,7 @@ def read_block_tables(paths: Iterable[Path], *, lenient: bool = False) -> BlockT
                     req_id = record.get("req_id")
                     for key, block_ids, boundary in entries:
                         tables.add(key, block_ids, source, None if req_id is None else str(req_id), boundary,
-                                   outcome, _time(record))
+                                   outcome, _time(record), str(record.get("tenant") or DEFAULT_TENANT))
             except UnicodeDecodeError:
                 raise AuditError(f"block table {path} is not UTF-8 text") from None
     return tables

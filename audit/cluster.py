@@ -72,6 +72,7 @@ class LocalCluster:
     segment_mb: int = 512
     lease_ttl_ms: int | None = None
     client_ttl_s: int | None = None
+    tenants: tuple[str, ...] = ()  # a multi-tenant master: these tenants and the default, 1 GB of quota each
     log_dir: Path | None = None
     metadata_port: int = field(default_factory=free_port)
     rpc_port: int = field(default_factory=free_port)
@@ -123,6 +124,12 @@ class LocalCluster:
             args.append(f"--default_kv_lease_ttl={self.lease_ttl_ms}")
         if self.client_ttl_s is not None:
             args.append(f"--client_ttl={self.client_ttl_s}")
+        if self.tenants:  # every tenant needs a policy, the default included: a put into one without fails
+            quotas = self.log_dir / "tenant-quotas.yaml"
+            quotas.write_text("version: 1\ntenants:\n" + "".join(
+                f"  - name: {name}\n    quota: 1GB\n" for name in ("default", *self.tenants)))
+            args += ["--enable_multi_tenants=true", "--tenant_quota_connector_type=file",
+                     f"--tenant_quota_connector_uri={quotas}"]
         self.master = self._spawn(args, "master")
         self._wait(lambda: _http_ok(f"{self.admin_url}/health") is not None, "master /health", timeout_s)
         for _ in range(self.holders):

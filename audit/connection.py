@@ -105,28 +105,57 @@ class AdminClient:
             connection.close()
             self._local.connection = None
 
-    def _request(self, path: str) -> bytes:
+    def _request(self, path: str, accepted: tuple[int, ...]) -> tuple[int, bytes]:
         connection = self._connection()
-        connection.request("GET", self._parsed.path + path)
+        connection.request("GET", self._parsed.path + path)  # reads only (docs/coverage.md)
         response = connection.getresponse()
         body = response.read()
-        if response.status != 200:
+        if response.status not in accepted:
             raise AuditError(f"admin {self.base_url} answered {response.status} to {path.split('?')[0]}")
-        return body
+        return response.status, body
 
-    def _get(self, path: str) -> bytes:
+    def _get_answer(self, path: str, accepted: tuple[int, ...] = (200,)) -> tuple[int, bytes]:
         try:
-            return self._request(path)
+            return self._request(path, accepted)
         except (OSError, http.client.HTTPException):
             self._drop_connection()  # a kept-alive connection the server closed meanwhile: once more
         try:
-            return self._request(path)
+            return self._request(path, accepted)
         except (OSError, http.client.HTTPException) as error:
             self._drop_connection()
             raise AuditError(f"admin {self.base_url} unreachable: {error or type(error).__name__}") from None
 
+    def _get(self, path: str) -> bytes:
+        return self._get_answer(path)[1]
+
     def health(self) -> None:
         self._get("/health")
+
+    def key_count(self) -> int | None:
+        """`master_key_count` from `/metrics`: every key of every tenant, a put in flight included
+        (counted from its start); None when the master does not report it."""
+        for line in self._get("/metrics").decode(errors="replace").splitlines():
+            name, _, value = line.partition(" ")
+            if name == "master_key_count":
+                try:
+                    return int(float(value))
+                except ValueError:
+                    return None
+        return None
+
+    def tenant_quotas(self) -> list[dict] | None:
+        """`/api/v1/tenant_quotas`: one row per tenant (`tenant_id`, `charged_bytes`, ...) on a
+        multi-tenant master; None when tenants are off (409) or the master predates them (404)."""
+        status, body = self._get_answer("/api/v1/tenant_quotas", accepted=(200, 404, 409))
+        if status != 200:
+            return None
+        try:
+            rows = json.loads(body).get("data")
+        except (json.JSONDecodeError, AttributeError):
+            raise AuditError(f"admin {self.base_url} sent a malformed answer to /api/v1/tenant_quotas") from None
+        if not isinstance(rows, list):
+            raise AuditError(f"admin {self.base_url} sent a malformed answer to /api/v1/tenant_quotas")
+        return rows
 
     def all_keys_body(self) -> bytes:
         """`/get_all_keys`: one key per line (a key holding a newline arrives split)."""
@@ -186,8 +215,9 @@ def _reachable(master: str, timeout_s: float = 5.0) -> None:
         raise AuditError(f"master {master} unreachable: {error.strerror or error}") from None
 
 
-def open_store(settings: Settings, local_buffer_mb: int = 16):
-    """A `MooncakeDistributedStore` client that mounts no segment (global_segment_size=0)."""
+def open_store(settings: Settings, local_buffer_mb: int = 16, tenant: str | None = None):
+    """A `MooncakeDistributedStore` client that mounts no segment (global_segment_size=0); with
+    `tenant`, one that joins that tenant (setup's 11th argument), whose keys only it can see."""
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as error:
@@ -195,13 +225,17 @@ def open_store(settings: Settings, local_buffer_mb: int = 16):
     _reachable(settings.master)
     store = MooncakeDistributedStore()
     hostname = settings.local_hostname or local_address_towards(settings.master)
+    arguments = [hostname, settings.metadata, 0, local_buffer_mb << 20, settings.protocol, settings.device_name,
+                 settings.master]
+    if tenant is not None:
+        arguments += [None, False, "", tenant]  # engine, enable_ssd_offload, ssd_offload_path, tenant_id
     with native_stderr_captured() as captured:
-        rc = store.setup(hostname, settings.metadata, 0, local_buffer_mb << 20, settings.protocol,
-                         settings.device_name, settings.master)
+        rc = store.setup(*arguments)
     if rc != 0:
         last = captured.last_line()
         raise AuditError(f"cannot set up the Mooncake client (master {settings.master}, metadata "
-                         f"{settings.metadata}, setup returned {rc})" + (f": {last}" if last else ""))
+                         f"{settings.metadata}{f', tenant {tenant}' if tenant else ''}, setup returned {rc})"
+                         + (f": {last}" if last else ""))
     return store
 
 

@@ -53,6 +53,18 @@ def _chunk(admin: AdminClient, key: str) -> dict | None:
     return {"members_present": present, "missing": index.judge().missing.get(key, [])}
 
 
+def _fit_to(plan: CheckPlan, info: KeyInfo, data: np.ndarray | None) -> list[dict]:
+    """The layouts of a model config fitted to this key's size, and where that size fits several
+    readings, the one its bytes choose (or all of them): the rows of a scan's layout_inference.
+    A model the producer's manifest covers has its one row, saying so."""
+    if not plan.requests and plan.manifests is None:
+        return []
+    rows = plan.fit_sizes([info])
+    if plan.readings and data is not None:
+        plan.decide_readings({info.name: data}, [info])
+    return rows
+
+
 def explain_key(settings: Settings, key: str, plan: CheckPlan) -> dict:
     """The key's record with every region, float statistics and a hexdump of each region's start."""
     admin = AdminClient(settings.admin)
@@ -67,13 +79,16 @@ def explain_key(settings: Settings, key: str, plan: CheckPlan) -> dict:
         try:
             batch = reader.fetch([Slot(info, 0)], 0)
             data = batch.view(batch.slots[0], size).copy() if batch.results[0] == size else None
-            record = check_batch(batch, HostChecker(), CheckPlan(plan.layouts, plan.layout_for_all,
-                                                                 plan.tables, keep_regions=True))[0]
+            inference = _fit_to(plan, info, data)
+            record = check_batch(batch, HostChecker(), CheckPlan(plan.layouts, plan.layout_for_all, plan.tables,
+                                                                 keep_regions=True, readings=plan.readings))[0]
         finally:
             reader.close()
     finally:
         store.close()
     document = record.to_json()
+    if inference:
+        document["layout_inference"] = inference
     if data is not None:
         if not document.get("regions"):  # opaque: the whole value is one region
             document["regions"] = [{"segment": "-", "layer": -1, "region": "value", "kind": "raw", "offset": 0,

@@ -28,9 +28,15 @@ class Verdict(StrEnum):
     # Recorded, not a finding: the key went away or changed between listing and reading.
     VANISHED = "VANISHED"                  # -704
     MOVED = "MOVED"                        # a lease-free read raced a change: the descriptor moved
+    # Recorded, not a finding: what a producer writes by design (docs/producers.md).
+    EXPECTED_DUPLICATE = "EXPECTED_DUPLICATE"  # identical bytes its producer puts under several keys
+    WARMUP_KEY = "WARMUP_KEY"              # a probe the producer writes at start-up, not cache
     # Incomplete: the key could not be read; exit 3 when there is no finding.
     UNREACHABLE = "UNREACHABLE"            # -800: the holder of the bytes is gone
     READ_ERROR = "READ_ERROR"              # any other failure
+    # Not judged fully: the value's size fits several layouts (dtypes, boundaries), the bytes could
+    # not choose, and the readings disagree on a verdict (withheld; docs/vllm.md). Exit 3 alone.
+    AMBIGUOUS_LAYOUT = "AMBIGUOUS_LAYOUT"
 
 
 FINDINGS = frozenset({Verdict.ZERO_VALUE, Verdict.SHARED_CONTENT, Verdict.CHECKSUM_MISMATCH,
@@ -38,6 +44,7 @@ FINDINGS = frozenset({Verdict.ZERO_VALUE, Verdict.SHARED_CONTENT, Verdict.CHECKS
                       Verdict.SIZE_MISMATCH, Verdict.REPLICA_DIVERGENT, Verdict.INCOMPLETE_CHUNK,
                       Verdict.IDENTITY_SUSPECT, Verdict.DIVERGENT_STATE})
 INCOMPLETE = frozenset({Verdict.UNREACHABLE, Verdict.READ_ERROR})
+UNJUDGED = frozenset({Verdict.AMBIGUOUS_LAYOUT})
 
 
 @dataclass(slots=True)
@@ -52,6 +59,7 @@ class KeyInfo:
     size: int | None = None
     fields: dict | None = None
     replicas: list[dict] = field(default_factory=list)
+    tenant: str | None = None  # the Mooncake tenant holding it; None: the default tenant (the listing's)
 
     def parsed_fields(self) -> dict:
         return self.fields if self.fields is not None else parse_key(self.name)
@@ -71,6 +79,7 @@ class KeyRecord:
     error: dict | None = None
     layout: str | None = None           # which layout described the value, if any
     regions: list[dict] | None = None   # per-region results (findings, or every key with --all)
+    tenant: str | None = None           # the Mooncake tenant it was read in; None: the default tenant
 
     def parsed_fields(self) -> dict:
         return self.fields if self.fields is not None else parse_key(self.key)
@@ -82,6 +91,11 @@ class KeyRecord:
     @property
     def is_incomplete(self) -> bool:
         return any(v in INCOMPLETE for v in self.verdicts)
+
+    @property
+    def is_unjudged(self) -> bool:
+        """Read, but some verdict withheld: the bytes fit readings that disagree."""
+        return any(v in UNJUDGED for v in self.verdicts)
 
     def to_json(self) -> dict:
         document = {
@@ -99,6 +113,8 @@ class KeyRecord:
             document["layout"] = self.layout
         if self.regions is not None:
             document["regions"] = self.regions
+        if self.tenant is not None:
+            document["tenant"] = self.tenant
         return document
 
     @classmethod
@@ -108,7 +124,8 @@ class KeyRecord:
         return cls(key=document["key"], size=document.get("size"), fields=document.get("fields") or {},
                    xxh3=None if digest is None else int(digest, 16), zero=document.get("zero"),
                    verdicts=list(document.get("verdicts") or []), evidence=dict(document.get("evidence") or {}),
-                   error=document.get("error"), layout=document.get("layout"), regions=document.get("regions"))
+                   error=document.get("error"), layout=document.get("layout"), regions=document.get("regions"),
+                   tenant=document.get("tenant"))
 
 
 @dataclass(slots=True)
@@ -118,6 +135,7 @@ class Report:
     summary: dict
     records: list[KeyRecord]
     shared_groups: list[dict]
+    expected_duplicates: list[dict] = field(default_factory=list)  # groups of EXPECTED_DUPLICATE keys
 
     @property
     def findings(self) -> list[KeyRecord]:

@@ -13,10 +13,11 @@ from audit.errors import AuditError
 
 
 class Publisher:
-    """A producer-side store client (mounts no segment; the holders keep the bytes)."""
+    """A producer-side store client (mounts no segment; the holders keep the bytes), in the default
+    tenant or in `tenant`."""
 
-    def __init__(self, settings: Settings):
-        self.store = open_store(settings)
+    def __init__(self, settings: Settings, tenant: str | None = None):
+        self.store = open_store(settings, tenant=tenant)
 
     def put(self, key: str, value: bytes | np.ndarray) -> None:
         data = value.tobytes() if isinstance(value, np.ndarray) else value

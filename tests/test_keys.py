@@ -25,7 +25,7 @@ def test_lmcache_keys_new_and_old():
 
 def test_sglang_hicache_keys():
     assert parse_key("deadbeefdeadbeef00_1_k") == {
-        "scheme": "sglang", "page_hash": "deadbeefdeadbeef00", "tp_rank": 1, "part": "k"}
+        "scheme": "sglang", "page_hash": "deadbeefdeadbeef00", "shard": 1, "part": "k"}
     mamba = parse_key("tag_model_deadbeefdeadbeef00_1_2_conv_0")
     assert mamba["prefix"] == "tag_model" and mamba["pp_rank"] == 2 and mamba["part"] == "conv_0"
     assert parse_key("deadbeefdeadbeef00_0_temporal")["part"] == "temporal"
@@ -65,4 +65,65 @@ def test_store_tp_keys_parse(namespace, extra, cache_prefix):
     "m@tp_rank:0@pcp0@dcp0@group:0@ab12",  # no pp_rank
 ])
 def test_near_vllm_keys_are_unparsed_not_half_parsed(key):
+    assert parse_key(key) == {"scheme": "opaque"}
+
+
+# LMCache, as its own code names keys (tests/producers/lmcache_0_5_6.json).
+def test_lmcache_keys_from_lmcaches_own_code():
+    from tests.producers.writers import GOLDEN
+
+    keys = GOLDEN["keys"]
+    assert parse_key(keys["negative_hash"]) == {
+        "scheme": "lmcache", "model": "/models/tiny-llama", "world_size": 2, "worker_id": 1,
+        "chunk_hash": "-5db65aa1f24507d4", "dtype": "float"}
+    assert parse_key(keys["tags"])["tags"] == {"user": "alice", "lora": "x%y"}
+    assert parse_key(keys["layerwise"]) == {
+        "scheme": "lmcache", "model": "Qwen/Qwen3-0.6B", "world_size": 2, "worker_id": 1, "chunk_hash": "99",
+        "dtype": "bfloat16", "layer": 3}
+    assert parse_key(keys["layerwise_tags"]) == {
+        "scheme": "lmcache", "model": "m", "world_size": 1, "worker_id": 0, "chunk_hash": "-99",
+        "dtype": "fp8_e4m3fn", "layer": 11, "tags": {"user": "bob"}}
+
+
+def test_lmcache_object_keys_of_multiprocess_mode():
+    assert parse_key("m@01000100@3@00ff@tenant-a") == {
+        "scheme": "lmcache", "model": "m", "kv_rank": "01000100", "object_group": 3, "chunk_hash": "00ff",
+        "cache_salt": "tenant-a", "world_size": 1, "worker_id": 0, "local_world_size": 1, "local_rank": 0}
+
+
+H = "ab" * 32  # a page hash (sha256 hex)
+
+
+@pytest.mark.parametrize("key, fields", [
+    (f"{H}_1_v", {"tp_rank": 1, "part": "v"}),
+    (f"{H}_1_k", {"shard": 1, "part": "k"}),              # an MHA pool's TP rank, or an MLA pool's PP rank
+    (f"{H}__k", {"part": "k"}),                           # MLA without PP
+    (f"{H}_0_2_k", {"tp_rank": 0, "pp_rank": 2, "part": "k"}),
+    (f"{H}_dcp1_cp0_2_k", {"dcp_rank": 1, "cp_rank": 0, "pp_rank": 2, "part": "k"}),
+    (f"{H}_3_draft_k", {"shard": 3, "part": "draft_k"}),
+    (f"{H}_3_draft_v", {"tp_rank": 3, "part": "draft_v"}),
+    (f"{H}__draft_k", {"part": "draft_k"}),
+    (f"{H}_0_swa_k", {"tp_rank": 0, "part": "swa_k"}),
+    (f"{H}_1_swa", {"pp_rank": 1, "part": "swa"}),         # MLA's single-object SWA pool
+    (f"{H}_2_temporal", {"tp_rank": 2, "part": "temporal"}),
+    (f"{H}_2_1_conv_0", {"tp_rank": 2, "pp_rank": 1, "part": "conv_0"}),
+    (f"{H}__indexer", {"part": "indexer"}),
+    (f"{H}_1_deepseek_v4_c4_indexer", {"pp_rank": 1, "part": "deepseek_v4_c4_indexer"}),
+])
+def test_sglang_key_grammar(key, fields):
+    assert parse_key(key) == {"scheme": "sglang", "page_hash": H, **fields}
+    assert parse_key(f"tag_Qwen-Qwen3-8B_{key}") == {"scheme": "sglang", "prefix": "tag_Qwen-Qwen3-8B",
+                                                     "page_hash": H, **fields}
+
+
+def test_sglang_warmup_keys():
+    assert parse_key("sglang_mooncake_store_warmup_key" + "0f" * 16) == {"scheme": "sglang", "warmup": True}
+    assert parse_key("sglang_mooncake_store_warmup_keyXYZ") == {"scheme": "opaque"}
+
+
+@pytest.mark.parametrize("key", [
+    f"{H}_1_x", f"{H}_1_", f"{H}_k", "m@1@0@ab@float32", "m@1@0@ab@half@user", "m@x@0@ab@half",
+    "m@0100010@0@00ff", "m@01000100@0@0ff", "\x00@1@0@ab@half@%" + "\n",
+])
+def test_near_producer_keys_are_opaque(key):
     assert parse_key(key) == {"scheme": "opaque"}

@@ -29,54 +29,14 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from audit.keys import parse_key
+from audit.judge.values import IDENTITY_EVIDENCE
+from audit.producers import Member, member_of, parse_key, producer_of
 from audit.records import KeyRecord, Verdict
 
 COMPANION_SHARE = 0.9
 COMPANION_MIN_CHUNKS = 8
 DOMINANT_SHARE = 0.5    # a size is the family's own only where more than half of its keys have it
 MISSING_EXAMPLES = 8    # missing members named in each record's evidence
-SIZED_SCHEMES = ("vllm", "sglang")  # fixed-size pages; LMCache's last chunk of a request is short
-
-
-@dataclass(frozen=True, slots=True)
-class Member:
-    """Where one key sits: its chunk, the family of chunks it belongs to, its part and rank."""
-
-    family: tuple
-    chunk: tuple
-    part: object
-    rank: tuple
-    world: int | None = None  # ranks the key itself says exist (LMCache's world size)
-
-
-def member_of(fields: dict) -> Member | None:
-    scheme = fields.get("scheme")
-    if scheme == "vllm":
-        family = (scheme, fields.get("cache_prefix", ""), fields["model"], fields.get("store_tp"),
-                  fields.get("store_pp"), fields.get("store_format"))
-        rank = (fields["tp_rank"], fields.get("pcp", 0), fields.get("dcp", 0), fields["pp_rank"])
-        return Member(family, (*family, fields["chunk_hash"]), fields.get("group", 0), rank)
-    if scheme == "sglang":
-        family = (scheme, fields.get("prefix", ""))
-        chunk = (*family, fields["page_hash"], fields.get("pp_rank", 0))
-        return Member(family, chunk, fields["part"], (fields["tp_rank"],))
-    if scheme == "lmcache":
-        family = (scheme, fields["model"], fields["world_size"], fields.get("dtype"), fields.get("fmt"))
-        return Member(family, (*family, fields["chunk_hash"]), None, (fields["worker_id"],), fields["world_size"])
-    return None
-
-
-def _rank_json(member: Member, rank: tuple) -> dict:
-    if member.family[0] == "vllm":
-        return dict(zip(("tp_rank", "pcp", "dcp", "pp_rank"), rank))
-    return {"tp_rank" if member.family[0] == "sglang" else "worker_id": rank[0]}
-
-
-def _part_json(member: Member, part) -> dict:
-    if part is None:
-        return {}
-    return {"group" if member.family[0] == "vllm" else "part": part}
 
 
 @dataclass
@@ -145,11 +105,13 @@ def _judge(index: ChunkIndex) -> ChunkJudgement:
     for chunk, parts in chunks.items():
         families[sample[chunk].family][chunk] = set(parts)
     companions = {family: _companions(parts) for family, parts in families.items()}
+    parts_seen = {family: set().union(*parts.values()) for family, parts in families.items()}
 
     incomplete = missing_members = 0
     for chunk, parts in chunks.items():
         member = sample[chunk]
-        expected_parts = set(parts)
+        producer = producer_of(member.family[0])
+        expected_parts = set(parts) | (parts_seen[member.family] if producer.every_part else set())
         for part in parts:
             expected_parts |= companions[member.family].get(part, set())
         missing = []
@@ -159,7 +121,7 @@ def _judge(index: ChunkIndex) -> ChunkJudgement:
             else:
                 expected = ranks_of[(member.family, part)]
             for rank in sorted(expected - parts.get(part, set())):
-                missing.append({**_part_json(member, part), **_rank_json(member, rank)})
+                missing.append(producer.member_fields(part, rank))
         if missing:
             incomplete += 1
             missing_members += len(missing)
@@ -174,7 +136,7 @@ def _judge(index: ChunkIndex) -> ChunkJudgement:
 def _size_outliers(index: ChunkIndex) -> dict[str, dict]:
     by_slot: dict[tuple, list[str]] = defaultdict(list)
     for name, member in index.members.items():
-        if member.family[0] in SIZED_SCHEMES and index.sizes.get(name):
+        if producer_of(member.family[0]).fixed_size and index.sizes.get(name):
             by_slot[(member.family, member.part, member.rank)].append(name)
     outliers = {}
     for names in by_slot.values():
@@ -230,7 +192,8 @@ def mark_chunks(records: list[KeyRecord], index: ChunkIndex | None) -> dict | No
     `index`: the listing's keys; without one, the records' own keys (a complete scan's)."""
     for record in records:
         for verdict in CHUNK_VERDICTS:
-            if verdict in record.verdicts:
+            if verdict in record.verdicts and not (verdict == Verdict.IDENTITY_SUSPECT
+                                                   and IDENTITY_EVIDENCE in record.evidence):
                 record.verdicts.remove(verdict)
         for name in CHUNK_EVIDENCE:
             record.evidence.pop(name, None)
@@ -254,6 +217,7 @@ def mark_chunks(records: list[KeyRecord], index: ChunkIndex | None) -> dict | No
         if identity:
             record.evidence["identity"] = identity
             # a size its layout already refused is SIZE_MISMATCH: the outlier is evidence for it
-            if Verdict.SIZE_MISMATCH not in record.verdicts or "rank_mixup" in identity:
+            if ((Verdict.SIZE_MISMATCH not in record.verdicts or "rank_mixup" in identity)
+                    and Verdict.IDENTITY_SUSPECT not in record.verdicts):
                 record.verdicts.append(Verdict.IDENTITY_SUSPECT)
     return judgement.summary

@@ -17,6 +17,7 @@ from audit.blocktables import BlockTableEntry
 from audit.checks.host import ValueCheck
 from audit.errors import ERROR_NAMES, MOVED
 from audit.keys import parse_key
+from audit.producers import probe_of
 from audit.records import KeyInfo, KeyRecord, Verdict
 
 _READ_VERDICTS = {
@@ -65,13 +66,31 @@ def _judge_layout(record: KeyRecord, layout, check: ValueCheck) -> None:
         record.verdicts.append(Verdict.PARTIAL_ZERO)
         record.evidence["partial_zero"] = {"zero_layers": [layers[i] for i in zero_segments],
                                            "layers": len(per_segment)}
-    elif not per_segment and check.zero and record.size:
+    elif not per_segment and record.size and _kv_all_zero(layout, check):
         record.verdicts.append(Verdict.ZERO_VALUE)  # an attention layout: no state regions
+        if not check.zero:  # zero KV behind a header or checksum frame
+            record.evidence["zero"] = {"kv_all_zero": True, "value_all_zero": False}
     if nonfinite:
         record.verdicts.append(Verdict.NONFINITE)
         record.evidence["nonfinite"] = {"nan": sum(r["nan"] for r in nonfinite),
                                         "inf": sum(r["inf"] for r in nonfinite),
                                         "regions": nonfinite[:MAX_EVIDENCE_REGIONS]}
+
+
+def _kv_all_zero(layout, check: ValueCheck) -> bool:
+    kv = [result.zero for (_, region), result in zip(layout.regions(), check.regions) if region.kind == "kv"]
+    return bool(kv) and all(kv)
+
+
+def _judge_zero_value(record: KeyRecord) -> None:
+    """ZERO_VALUE, unless the key is a probe its producer writes as zeros on purpose."""
+    reason = probe_of(record.key, record.size, True)
+    if reason is not None:
+        record.verdicts.append(Verdict.WARMUP_KEY)
+        record.evidence["warmup"] = {"reason": reason}
+        return
+    record.verdicts.append(Verdict.ZERO_VALUE)
+    record.evidence["zero"] = {"digest_is_zero_digest": True, "bytes_confirmed_zero": True}
 
 
 def judge_read(key: KeyInfo, code: int, check: ValueCheck | None, *, layout=None,
@@ -93,8 +112,7 @@ def judge_read(key: KeyInfo, code: int, check: ValueCheck | None, *, layout=None
                 record.verdicts.append(Verdict.SIZE_MISMATCH)
                 record.evidence["size_mismatch"] = {"expected": layout.size, "actual": key.size}
             if check.zero and code > 0:
-                record.verdicts.append(Verdict.ZERO_VALUE)
-                record.evidence["zero"] = {"digest_is_zero_digest": True, "bytes_confirmed_zero": True}
+                _judge_zero_value(record)
         if check.regions is not None and (record.verdicts or keep_regions):
             record.regions = _region_rows(layout, check)
     apply_block_table(record, table)

@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 from audit.blocktables import BlockTables
 from audit.errors import AuditError
 from audit.layouts import Layout, LayoutError, select_layout
-from audit.layouts.infer import LayoutRequest, infer_layouts, observed_sizes
+from audit.judge.readings import SAMPLE_KEYS, choose_reading
+from audit.layouts.infer import (MANIFEST_FLAG, LayoutRequest, describe_reading, infer_layouts, observed_sizes,
+                                 settling_flags)
+from audit.layouts.manifest import ProducerManifests, read_manifests
 from audit.records import KeyInfo
 
 
@@ -24,6 +27,8 @@ class CheckPlan:
     keep_regions: bool = False         # per-region results for every key, not only findings
     requests: list[LayoutRequest] = field(default_factory=list)  # configs whose layouts may be re-fitted
     inference: list[dict] | None = None  # what fit_sizes inferred, for the report's layout_inference
+    readings: dict = field(default_factory=dict)  # (model, group) -> its Readings, while undecided
+    manifests: ProducerManifests | None = None  # the producer's own layouts (use_manifests)
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -34,19 +39,24 @@ class CheckPlan:
     def fit_sizes(self, keys) -> list[dict]:
         """Re-fit the layouts built from model configs to the listed keys' sizes (per model and
         group, among vLLM's candidate dtypes, platforms, block sizes and TP sizes), before the
-        scan; returns (and keeps in ``inference``) one row per (model, group) for the report."""
-        if not self.requests:
-            self.inference = []
-            return self.inference
+        scan; returns (and keeps in ``inference``) one row per (model, group) for the report.
+        Groups whose size fits several readings keep them all in ``readings`` until
+        `decide_readings` picks one; until then each key is judged under every one of them."""
         observed = observed_sizes(keys)
-        rows: list[dict] = []
+        rows: list[dict] = [] if self.manifests is None else self.manifests.rows(observed)
+        if not self.requests:
+            self.inference = rows
+            return rows
         fitted: dict[str, list[Layout]] = {}
+        self.readings = {}
         for request in self.requests:
             try:
-                fitted[request.name], found = infer_layouts(request, observed)
+                inference = infer_layouts(request, observed)
             except LayoutError as error:
                 raise AuditError(str(error)) from None
-            rows += found
+            fitted[request.name] = inference.layouts
+            rows += inference.rows
+            self.readings.update(inference.readings)
         from_configs = {layout.model for layouts in fitted.values() for layout in layouts} | set(fitted)
         self.layouts = ([layout for layout in self.layouts if layout.model not in from_configs]
                         + [layout for layouts in fitted.values() for layout in layouts])
@@ -54,6 +64,71 @@ class CheckPlan:
         self._check_unique()
         self.inference = rows
         return rows
+
+    def use_manifests(self, paths) -> None:
+        """The manifests in `paths` (the --block-tables paths) decide their models' layouts: one
+        reading per group, as the producer registered it, instead of any config's inference."""
+        try:
+            self.manifests = read_manifests(paths)
+        except LayoutError as error:
+            raise AuditError(str(error)) from None
+        if self.manifests is None:
+            return
+        covered = self.manifests.models
+        self.layouts = [layout for layout in self.layouts if layout.model not in covered] + self.manifests.layouts
+        self.requests = [request for request in self.requests if request.name not in covered]
+        self._cache.clear()
+        self._check_unique()
+
+    def reading_samples(self, keys, per_group: int = SAMPLE_KEYS) -> list[KeyInfo]:
+        """Keys to read for choosing each ambiguous group's reading: spread over the group."""
+        wanted: dict[tuple, list[KeyInfo]] = {slot: [] for slot in self.readings}
+        for key in keys:
+            layout = self.layout_for(key)
+            slot = None if layout is None else (layout.model, layout.group)
+            if slot in wanted and key.size == layout.size:
+                wanted[slot].append(key)
+        samples = []
+        for members in wanted.values():
+            step = max(1, len(members) // per_group)
+            samples += members[::step][:per_group]
+        return samples
+
+    def decide_readings(self, values: dict[str, object], keys) -> None:
+        """Choose each ambiguous group's reading from its sampled values (name -> uint8 array);
+        a group the bytes cannot decide stays ambiguous, and its row says what would settle it."""
+        by_slot: dict[tuple, list] = {slot: [] for slot in self.readings}
+        for key in keys:
+            if key.name in values:
+                layout = self.layout_for(key)
+                by_slot[(layout.model, layout.group)].append(values[key.name])
+        rows = {(row["model"], row["group"]): row for row in self.inference or ()}
+        for slot, readings in list(self.readings.items()):
+            kept, evidence = choose_reading([reading.layout for reading in readings], by_slot[slot])
+            row = rows.get(slot, {})
+            row["bytes"] = evidence
+            self._replace_layout(readings[kept[0]].layout)
+            if len(kept) == 1:
+                row.update(status="from_bytes", assumed=readings[kept[0]].assumed)
+                row.pop("candidates", None)
+                row.pop("settle_with", None)
+                del self.readings[slot]
+            else:
+                self.readings[slot] = [readings[i] for i in kept]
+                row["candidates"] = [describe_reading(readings[i]) for i in kept]
+                row["settle_with"] = settling_flags(self.readings[slot]) + [MANIFEST_FLAG]
+
+    def _replace_layout(self, layout: Layout) -> None:
+        self.layouts = [layout if (old.model, old.group) == (layout.model, layout.group) else old
+                        for old in self.layouts]
+        self._cache.clear()
+
+    def other_readings(self, layout: Layout | None) -> list[Layout]:
+        """The layouts besides `layout` that the key's undecided group may be read with."""
+        if layout is None or not self.readings:
+            return []
+        readings = self.readings.get((layout.model, layout.group), ())
+        return [reading.layout for reading in readings if reading.layout is not layout]
 
     def _check_unique(self) -> None:
         seen = set()
@@ -97,7 +172,7 @@ def load_layouts(*, model_configs=(), layout_files=(), model_name: str | None = 
                  state_dtype: str | None = None, ssm_dtype: str | None = None, block_size: int | None = None,
                  conv_layout: str = "SD", kv_cache_dtype: str | None = None,
                  kernel_block_size: int | None = None, platform: str | None = None,
-                 tp_given: bool = False) -> LayoutList:
+                 tp_given: bool = False, model_dtype: str | None = None) -> LayoutList:
     """Layouts from HuggingFace config.json files (model name: `model_name`, else the config's
     directory name, as vLLM puts the model path's basename in keys) and from layout files.
 
@@ -117,7 +192,7 @@ def load_layouts(*, model_configs=(), layout_files=(), model_name: str | None = 
             request = LayoutRequest(load_hf_config(path), name, tp_size=tp_size, state_dtype=state_dtype,
                                     ssm_dtype=ssm_dtype, block_size=block_size, kernel_block_size=kernel_block_size,
                                     kv_cache_dtype=kv_cache_dtype, conv_layout=conv_layout, platform=platform,
-                                    tp_given=tp_given)
+                                    tp_given=tp_given, model_dtype=model_dtype)
             layouts += request.layouts()
             layouts.requests.append(request)
         for path in layout_files:

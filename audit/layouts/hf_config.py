@@ -238,17 +238,44 @@ def _jamba(config: dict, options: _Options) -> list[Layout]:
     return _layouts(config, options, "mamba1", states, kinds)
 
 
-def _zamba2_pure(config: dict, options: _Options) -> list[Layout]:
-    """Zamba2's Mamba2 state (``mamba_*``/``n_mamba_heads`` fields). Its shared-attention blocks
-    are not modelled: refused when the config has hybrid layers."""
-    block_types = config.get("layers_block_type") or []
-    if any(str(kind) != "mamba" for kind in block_types):
-        raise LayoutError("zamba2 with shared attention ('hybrid' layers) is not modelled; "
-                          "describe its values in a layout file")
+# Zamba2's layers_block_type: transformers 5 saves a Mamba layer as "linear_attention" (its remap of
+# the older "mamba"); vLLM's zamba2.py builds a Mamba2 layer for every entry but "hybrid".
+_ZAMBA2_BLOCK_TYPES = {"mamba", "linear_attention", "hybrid"}
+
+
+def _zamba2(config: dict, options: _Options) -> list[Layout]:
+    """Zamba2 (vLLM ``zamba2.py``): every layer has a Mamba2 mixer (``mamba_*``/``n_mamba_heads``
+    fields); a ``hybrid`` layer also runs a shared attention block, with a KV cache of its own per
+    hybrid layer. vLLM constructs the shared blocks, and so registers every attention layer, before
+    the Mamba layers: attention is group 0. Block ``b`` of ``num_mem_blocks`` serves hybrid layers
+    ``b, b + num_mem_blocks, ...``, registered block by block. The attention is multi-head over
+    ``num_attention_heads`` (``num_key_value_heads`` is not used) with heads of
+    ``2 * hidden_size // num_attention_heads`` (transformers' ``attention_head_dim``, recomputed
+    when the config is loaded)."""
+    block_types = [str(kind) for kind in config.get("layers_block_type") or ()]
+    if not block_types:
+        raise LayoutError("zamba2 config.json has no 'layers_block_type'")
+    unknown = sorted(set(block_types) - _ZAMBA2_BLOCK_TYPES)
+    if unknown:
+        raise LayoutError(f"config.json layers_block_type has unknown entries {unknown} "
+                          f"(known: {sorted(_ZAMBA2_BLOCK_TYPES)})")
     states = _mamba2_states(config, options, intermediate=_int(config, "mamba_expand") * _int(config, "hidden_size"),
                             groups="mamba_ngroups", heads="n_mamba_heads", head_dim="mamba_headdim",
                             state="mamba_d_state", conv="mamba_d_conv")
-    return _layouts(config, options, "mamba2", states, [STATE] * _int(config, "num_hidden_layers"))
+    hybrid = [layer for layer, kind in enumerate(block_types) if kind == "hybrid"]
+    attention = None
+    if hybrid:
+        heads = _int(config, "num_attention_heads")
+        if heads % options.tp_size:
+            raise LayoutError(f"zamba2: num_attention_heads {heads} is not divisible by tp_size {options.tp_size}")
+        attention = AttentionShape(heads // options.tp_size, 2 * _int(config, "hidden_size") // heads,
+                                   options.kv_dtype)
+        blocks = config.get("num_mem_blocks") or 1  # block b's attention layers register together
+        hybrid = [hybrid[i] for i in sorted(range(len(hybrid)), key=lambda i: (i % blocks, i))]
+    kinds = [(layer, ATTENTION) for layer in hybrid] + [(layer, STATE) for layer in range(len(block_types))]
+    return state_model_layouts(
+        model=options.model, kind="mamba2", tp_size=options.tp_size, layer_kinds=kinds, states=states,
+        attention=attention, block_size=options.block_size, kernel_block_size=options.kernel_block_size)
 
 
 def _attention_kinds(config: dict, model_type: str) -> list[str | None]:
@@ -297,7 +324,7 @@ _BUILDERS: dict[str, Callable[[dict, _Options], list[Layout]]] = {
     "granitemoehybrid": _granite_mamba2,
     "bamba": _granite_mamba2,
     "jamba": _jamba,
-    "zamba2": _zamba2_pure,
+    "zamba2": _zamba2,
 }
 SUPPORTED_MODEL_TYPES = tuple(_BUILDERS) + ATTENTION_MODEL_TYPES + ("<any attention-only config>",)
 

@@ -1,13 +1,17 @@
-"""Choosing among vLLM's possible layouts of a model from the value sizes Mooncake reports.
+"""Every layout of vLLM's that a model's listed value sizes allow, not just the first.
 
 The operator knows the model and, usually, its TP size; rarely the producer's platform and the
 dtypes vLLM resolved (CPU forces float32 ssm states, a float32 checkpoint may run in bfloat16 or
 float32, Nemotron-H and Qwen3.5 pick their own ssm dtype) or the block size vLLM defaulted to.
-Each of those gives a different value size. ``infer_layouts`` tries vLLM's candidates in a fixed
-order (the operator's settings and vLLM's CUDA defaults first) and keeps, per model, the first
-one whose layouts fit the size that dominates each (model, group) of the listed keys; a group
-that no candidate fits keeps the configured layout (its keys are SIZE_MISMATCH), and so does
-every key whose size differs from its group's dominant size (two producers, one name).
+Each of those gives a different value size, and one size often fits several of them: an attention
+page of ``b`` tokens in float32 has the bytes of ``2b`` tokens in bfloat16, and a hybrid's Mamba
+page is padded to the attention page. ``infer_layouts`` tries vLLM's candidates (the operator's
+settings fixed, vLLM's defaults first) and keeps every one that fits the size dominating each
+(model, group) of the listed keys. Candidates that read a group's bytes the same way (same
+regions, offsets and dtypes) are one reading; a group with several readings is ``ambiguous``
+until the producer's manifest, an operator flag or the bytes (`audit.judge.readings`) pick one.
+A group that no candidate fits keeps the most likely layout (its keys are SIZE_MISMATCH), and so
+does every key whose size differs from its group's dominant size (two producers, one name).
 """
 
 from __future__ import annotations
@@ -125,9 +129,76 @@ def _attention_block_fit(request: LayoutRequest, changes: dict, sizes: dict[int,
     return {**changes, "block_size": blocks.pop()} if len(blocks) == 1 else None
 
 
+def reading_signature(layout: Layout) -> tuple:
+    """What decides how a value's bytes are read: every region's place, length, kind and dtype."""
+    return tuple((region.offset, region.length, region.kind, region.dtype) for _, region in layout.regions())
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One way to read a group's values: a layout, and the settings of vLLM's that give it."""
+
+    layout: Layout
+    assumed: dict
+
+
+# The vLLM flag that settles each setting a reading assumes, in the order an operator would look.
+SETTLING_FLAGS = (("model_dtype", "--dtype"), ("kv_dtype", "--kv-cache-dtype"),
+                  ("conv_dtype", "--mamba-cache-dtype"), ("ssm_dtype", "--mamba-ssm-cache-dtype"),
+                  ("block_size", "--block-size"), ("kernel_block_size", "--kernel-block-size"),
+                  ("tp_size", "--tensor-parallel-size"), ("platform", "--platform"))
+
+
+MANIFEST_FLAG = "--block-tables DIR (the recorder's manifest of what vLLM registered)"
+
+
+def settling_flags(readings: list[Reading]) -> list[str]:
+    """The flags whose values tell the readings apart (any one that differs settles part of it)."""
+    return [flag for setting, flag in SETTLING_FLAGS
+            if len({str(reading.assumed.get(setting)) for reading in readings}) > 1]
+
+
+def describe_reading(reading: Reading) -> dict:
+    """A reading as the report lists it: the settings it assumes and the dtypes of its regions."""
+    dtypes = sorted({region.dtype for _, region in reading.layout.regions() if region.kind != "padding"})
+    padding = sum(region.length for _, region in reading.layout.regions() if region.kind == "padding")
+    return {"assumed": reading.assumed, "dtypes": dtypes, "padding_bytes": padding,
+            "segments": len(reading.layout.segments)}
+
+
+@dataclass
+class Inference:
+    """What the listed sizes say about one model: the most likely layout of each group, every
+    other reading of the groups that several fit, and one report row per group seen."""
+
+    layouts: list[Layout]
+    rows: list[dict]
+    readings: dict[tuple[str, int | None], list[Reading]] = field(default_factory=dict)
+
+
+def _fitting_candidates(request: LayoutRequest, sizes: dict[int, int], limit: int):
+    """(changes, layouts, score) of every distinct candidate, most likely first; score: how many
+    groups' dominant sizes the layouts fit."""
+    seen_signatures = set()
+    for count, changes in enumerate(_candidates(request)):
+        if count >= limit:
+            break
+        if request.block_size is None:
+            changes = _attention_block_fit(request, changes, sizes) or changes
+        try:
+            layouts = request.layouts(**changes)
+        except LayoutError:
+            continue
+        signature = tuple((layout.group, reading_signature(layout)) for layout in layouts)
+        if signature in seen_signatures:
+            continue
+        seen_signatures.add(signature)
+        yield changes, layouts, sum(1 for layout in layouts if sizes.get(layout.group) == layout.size)
+
+
 def infer_layouts(request: LayoutRequest, observed: dict[tuple[str, int], GroupSizes],
-                  limit: int = 4000) -> tuple[list[Layout], list[dict]]:
-    """The layouts to judge ``request.model``'s keys with, and one inference row per group seen."""
+                  limit: int = 4000) -> Inference:
+    """The layouts to judge ``request.model``'s keys with: every reading that fits, per group."""
     sizes = {group: seen.dominant for (model, group), seen in observed.items() if model == request.name}
     try:
         configured = request.layouts()
@@ -136,29 +207,23 @@ def infer_layouts(request: LayoutRequest, observed: dict[tuple[str, int], GroupS
     if not sizes:
         if configured is None:
             request.layouts()  # raise the operator's error: nothing to infer from
-        return configured, []
-    best, best_score, best_changes = configured, -1, {}
-    if configured is not None:
-        best_score = sum(1 for layout in configured if sizes.get(layout.group) == layout.size)
-    seen_signatures = set()
-    for count, changes in enumerate(_candidates(request)):
-        if best_score == len(sizes) or count >= limit:
-            break
-        if request.block_size is None:
-            changes = _attention_block_fit(request, changes, sizes) or changes
-        try:
-            layouts = request.layouts(**changes)
-        except LayoutError:
-            continue
-        signature = tuple((layout.group, layout.size) for layout in layouts)
-        if signature in seen_signatures:
-            continue
-        seen_signatures.add(signature)
-        score = sum(1 for layout in layouts if sizes.get(layout.group) == layout.size)
-        if score > best_score:
-            best, best_score, best_changes = layouts, score, changes
-    if best is None:
+        return Inference(configured, [])
+    candidates = list(_fitting_candidates(request, sizes, limit))
+    if not candidates:
         raise LayoutError(f"{request.name}: no layout of vLLM's candidates can be built from its config")
+    best_score = max(score for _, _, score in candidates)
+    fitting = [(changes, layouts) for changes, layouts, score in candidates if score == best_score]
+    best_changes, best = fitting[0]
+    as_configured = configured is not None and (
+        [reading_signature(layout) for layout in configured] == [reading_signature(layout) for layout in best])
+    readings: dict[int | None, list[Reading]] = defaultdict(list)
+    for changes, layouts in fitting:
+        for layout in layouts:
+            if sizes.get(layout.group) != layout.size:
+                continue
+            known = {reading_signature(reading.layout) for reading in readings[layout.group]}
+            if reading_signature(layout) not in known:
+                readings[layout.group].append(Reading(layout, request.described(**changes)))
     rows = []
     by_group = {layout.group: layout for layout in best}
     for (model, group), seen in sorted(observed.items()):
@@ -166,13 +231,19 @@ def infer_layouts(request: LayoutRequest, observed: dict[tuple[str, int], GroupS
             continue
         layout = by_group.get(group)
         fits = layout is not None and layout.size == seen.dominant
-        status = ("as_configured" if fits and not best_changes else "inferred" if fits else "no_fit")
+        choices = readings.get(group, [])
+        status = ("no_fit" if not fits else "ambiguous" if len(choices) > 1
+                  else "as_configured" if as_configured else "inferred")
         row = {"model": model, "group": group, "keys": seen.keys, "dominant_size": seen.dominant,
                "layout_size": None if layout is None else layout.size, "status": status,
                "from": f"{seen.sizes[seen.dominant]} of {seen.keys} keys of {seen.dominant:,} B",
                "assumed": request.described(**best_changes)}
+        if status == "ambiguous":
+            row["candidates"] = [describe_reading(reading) for reading in choices]
+            row["settle_with"] = settling_flags(choices) + [MANIFEST_FLAG]
         others = {str(size): count for size, count in seen.sizes.items() if size != seen.dominant}
         if others:
             row["other_sizes"] = others  # SIZE_MISMATCH: another producer under the same name?
         rows.append(row)
-    return best, rows
+    ambiguous = {(request.name, group): choices for group, choices in readings.items() if len(choices) > 1}
+    return Inference(best, rows, ambiguous)

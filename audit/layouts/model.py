@@ -37,7 +37,7 @@ _DTYPE_ALIASES = {
     "fp8_e5m2": "float8_e5m2",
 }
 
-REGION_KINDS = ("state", "kv", "padding")
+REGION_KINDS = ("state", "kv", "padding", "header")  # header: a producer's own description of the value
 LAYOUT_KINDS = ("mamba1", "mamba2", "gdn", "short_conv", "attention")
 
 

@@ -1,9 +1,10 @@
 """The recorder's JSONL files: one per process, append-only, every batch written through, rotated by size.
 
 One record per published key, in the per-key block-table shape that `audit.blocktables` reads:
-``{"key", "block_ids", "rc", "time", "pid", "segments"[, "tp_rank"]}``, plus ``"offsets"``, ``"sizes"``
-and ``"note"`` when the block ids could not be derived (``"block_ids": null``), and
-``"withheld": true, "reason": "NULL_BLOCK_ID"`` for keys the guard kept out of the store.
+``{"key", "block_ids", "rc", "time", "pid", "segments"[, "tp_rank"][, "tenant"]}`` (``tenant`` when the
+client joined one other than Mooncake's default), plus ``"offsets"``, ``"sizes"`` and ``"note"`` when
+the block ids could not be derived (``"block_ids": null``), and ``"withheld": true, "reason":
+"NULL_BLOCK_ID"`` for keys the guard kept out of the store.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
+from audit.blocktables import DEFAULT_TENANT
 from audit.recorder.blocks import KeyBlocks
 
 logger = logging.getLogger("vllm.mooncake_audit")  # under "vllm" so vLLM's log configuration prints it
@@ -31,13 +33,15 @@ _ENCODER = json.JSONEncoder(separators=(",", ":"))  # built once: json.dumps(sep
 
 def key_lines(keys: Sequence[str], blocks: Sequence[KeyBlocks], results: Sequence[int | None],
               sizes: Sequence[Sequence[int]], withheld: set[int], now: float, pid: int,
-              error: str | None = None) -> list[str]:
+              error: str | None = None, tenant: str = DEFAULT_TENANT) -> list[str]:
     """The JSON lines of one put: key i was published with result ``results[i]`` (None: the put raised).
 
     The fields every record has are formatted directly (a list of ints prints as JSON), about
     twice as fast as encoding a dict per key; the rare ones go through the JSON encoder.
     """
     common = f',"time":{now!r},"pid":{pid}'
+    if tenant != DEFAULT_TENANT:
+        common += f',"tenant":{_ENCODER.encode(tenant)}'
     lines = []
     for index, (key, key_blocks, rc) in enumerate(zip(keys, blocks, results)):
         block_ids = "null" if key_blocks.block_ids is None else str(key_blocks.block_ids).replace(" ", "")

@@ -1,10 +1,11 @@
 """A MooncakeDistributedStore subclass that records which block every published key was read from.
 
-It overrides only what it must see: ``register_buffer`` / ``unregister_buffer`` (to learn the
-buffers) and the two zero-copy puts vLLM's connector can use, ``batch_put_from_multi_buffers`` and
-``batch_put_from``. Everything else is the base class's own method, untouched. A put's arguments
-and result pass through unchanged, except under the guard, which keeps keys read from vLLM's null
-block out of the store and reports them to the caller as failed puts.
+It overrides only what it must see: ``setup`` (to learn the tenant), ``register_buffer`` /
+``unregister_buffer`` (to learn the buffers) and the two zero-copy puts vLLM's connector can use,
+``batch_put_from_multi_buffers`` and ``batch_put_from``. Everything else is the base class's own
+method, untouched. A put's arguments and result pass through unchanged, except under the guard,
+which keeps keys read from vLLM's null block out of the store and reports them to the caller as
+failed puts. Building one also hooks the producer's manifest (`audit.recorder.manifest`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import time
 from contextlib import contextmanager
 
 from audit.recorder.blocks import KeyBlocks, RegisteredRegions
-from audit.recorder.records import RecordWriter, key_lines, logger
+from audit.recorder.manifest import hook_store_worker
+from audit.recorder.records import DEFAULT_TENANT, RecordWriter, key_lines, logger
 
 # The result reported for a withheld key. vLLM's connector treats any negative result as a failed
 # put: it logs "batch_put failed", keeps the request's saved offset (so the chunk is retried and
@@ -22,6 +24,7 @@ from audit.recorder.records import RecordWriter, key_lines, logger
 # (-600) says what happened; NO_AVAILABLE_HANDLE (-200) would instead make the connector pause the
 # request's later saves as if the store were full.
 WITHHELD_RESULT = -600
+SETUP_TENANT_POSITION = 10  # setup()'s 11th positional argument is tenant_id (the dict form has the key)
 
 _withholding_logged = False  # the guard's first withheld key is logged; the records hold every one
 
@@ -36,10 +39,17 @@ def recording_store_class(base: type, writer: RecordWriter, *, guard: bool = Fal
         __doc__ = f"{base.__name__} recording block ids of published keys (mooncake-audit)."
         audit_writer = writer
         audit_guard = guard
+        audit_tenant = DEFAULT_TENANT
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.audit_regions = RegisteredRegions()
+            hook_store_worker(writer.directory)  # the connector's worker builds its store: describe it later
+
+        def setup(self, *args, **kwargs):
+            result = super().setup(*args, **kwargs)
+            self.audit_tenant = _tenant_of(args, kwargs)
+            return result
 
         def register_buffer(self, buffer_ptr, size):
             result = super().register_buffer(buffer_ptr, size)
@@ -82,12 +92,23 @@ def recording_store_class(base: type, writer: RecordWriter, *, guard: bool = Fal
                           error: str | None = None) -> None:
             try:
                 writer.write(key_lines(keys, blocks, results, segment_sizes, withheld, time.time(),
-                                         os.getpid(), error))
+                                       os.getpid(), error, tenant=self.audit_tenant))
             except Exception:
                 logger.exception("mooncake-audit: cannot record a put")
 
     RecordingStore.__name__ = RecordingStore.__qualname__ = f"Recording{base.__name__}"
     return RecordingStore
+
+
+def _tenant_of(args: tuple, kwargs: dict) -> str:
+    """The tenant a ``setup`` call joins: its ``tenant_id``, positional, keyword or in the dict form."""
+    if args and isinstance(args[0], dict):
+        tenant = args[0].get("tenant_id")
+    elif len(args) > SETUP_TENANT_POSITION:
+        tenant = args[SETUP_TENANT_POSITION]
+    else:
+        tenant = kwargs.get("tenant_id")
+    return str(tenant) if tenant else DEFAULT_TENANT
 
 
 def _put_except(put, withheld: set[int], keys, ptrs, sizes, args, kwargs) -> list[int]:

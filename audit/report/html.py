@@ -15,7 +15,8 @@ from collections import Counter
 from pathlib import Path
 
 from audit.errors import AuditError
-from audit.records import FINDINGS, INCOMPLETE
+from audit.records import FINDINGS, INCOMPLETE, UNJUDGED
+from audit.report.coverage import coverage_headline, gap_lines, missed_keys
 from audit.report.inert import human_bytes, printable
 from audit.report.output import ReportOutput
 
@@ -96,7 +97,7 @@ def _yes_no(flag: bool | None) -> str:
 def _verdict_class(verdict: str) -> str:
     if verdict in FINDINGS:
         return "finding"
-    return "incomplete" if verdict in INCOMPLETE else "recorded"
+    return "incomplete" if verdict in INCOMPLETE or verdict in UNJUDGED else "recorded"
 
 
 def _verdict_badges(verdicts: list[str]) -> str:
@@ -113,6 +114,10 @@ def _status(summary: dict) -> tuple[str, str]:
     word = STATUS_WORDS.get(summary.get("exit_code"), "unknown")
     if word == "findings":
         return word, f"{summary.get('findings', 0):,} key(s) flagged"
+    coverage = summary.get("coverage")
+    if word == "incomplete" and coverage is not None and not coverage["complete"]:
+        missed = "some" if missed_keys(coverage) is None else f"{missed_keys(coverage):,}"
+        return word, f"no findings, but {missed} key(s) the master holds were not audited"
     if word == "incomplete":
         return word, "no findings, but not every key could be read"
     if word == "clean":
@@ -128,6 +133,7 @@ def _headline(summary: dict) -> list[tuple[str, str]]:
         ("keys scanned", f"{summary.get('keys_scanned', 0):,}"),
         ("keys flagged", f"{summary.get('findings', 0):,}"),
         ("keys unread", f"{summary.get('keys_unread', 0):,}"),
+        ("keys not fully judged", f"{summary.get('keys_not_fully_judged', 0):,}"),
         ("bytes scanned", human_bytes(summary.get("bytes_scanned"))),
         ("duration", f"{summary.get('duration_s', 0):.2f} s"),
         ("throughput", _rate(rate)),
@@ -483,6 +489,22 @@ def _shared_section(groups: list[dict]) -> str:
             f"</tbody></table></section>")
 
 
+def _coverage_section(summary: dict) -> str:
+    """What the master holds against what was audited, each gap with how to cover it (docs/coverage.md)."""
+    coverage = summary.get("coverage")
+    if coverage is None:
+        return ""
+    lines = gap_lines(coverage)
+    gaps = "".join(f"<li>{_text(what, 400)}<br>{_text(how.strip(), 400)}</li>" for what, how in zip(lines[::2], lines[1::2]))
+    rows = "".join(f"<tr><td>{_text(t['name'])}</td><td>{t['charged_bytes']:,}</td><td>{_yes_no(t['audited'])}</td>"
+                   f"<td>{_text(t['keys_named'] if t['keys_named'] is not None else 'listed')}</td>"
+                   f"<td>{t['keys_read']:,}</td></tr>" for t in coverage["tenants"] or [])
+    tenants = (f"<h3>Tenants</h3><table><thead><tr><th>tenant</th><th>bytes charged</th><th>audited</th>"
+               f"<th>keys named</th><th>keys read</th></tr></thead><tbody>{rows}</tbody></table>" if rows else "")
+    return (f'<section id="coverage"><h2>Coverage</h2><p>{_text(coverage_headline(coverage), 400)}</p>'
+            f"{f'<ul>{gaps}</ul>' if gaps else ''}{tenants}</section>")
+
+
 def _unread_section(document: dict) -> str:
     """Why a scan is incomplete: the unread keys when the report lists every key (`--all`)."""
     unread_count = document["summary"].get("keys_unread", 0)
@@ -514,7 +536,8 @@ def render_html(document: dict) -> str:
         f"<title>mooncake-audit: {word} - {_text(master, 80)}</title><style>{CSS}</style></head><body>"
         f'<h1>mooncake-audit report <span class="mono">{_text(master, 80)}</span></h1>'
         f'<p class="lead"><span class="status status-{word}">{word.upper()}</span>{sentence}</p>'
-        f"{_summary_section(summary)}{_heatmap_section(findings)}{_charts_section(summary, findings)}"
+        f"{_summary_section(summary)}{_coverage_section(summary)}{_heatmap_section(findings)}"
+        f"{_charts_section(summary, findings)}"
         f"{_findings_section(findings)}{_shared_section(document.get('shared_groups') or [])}"
         f"{_unread_section(document)}</body></html>\n")
 

@@ -7,7 +7,9 @@ from collections import Counter
 from rich.console import Console
 from rich.table import Table
 
+from audit.blocktables import DEFAULT_TENANT
 from audit.records import KeyRecord, Report
+from audit.report.coverage import coverage_headline, gap_lines, missed_keys
 from audit.report.inert import human_bytes, inert, printable
 from audit.report.output import ReportOutput, WholeReportSink
 
@@ -16,9 +18,25 @@ from audit.report.output import ReportOutput, WholeReportSink
 def _verdict_line(summary: dict) -> str:
     if summary["findings"]:
         return f"FINDINGS: {summary['findings']} key(s) flagged"
+    if summary.get("keys_not_fully_judged") and summary["complete"] is False and not summary["keys_unread"]:
+        return (f"INCOMPLETE: no findings, but {summary['keys_not_fully_judged']} key(s) not judged fully: "
+                f"their layout is ambiguous (see below)")
+    coverage = summary.get("coverage")
+    if coverage is not None and not coverage["complete"]:
+        missed = missed_keys(coverage)
+        return (f"INCOMPLETE: no findings, but {'some' if missed is None else f'{missed:,}'} key(s) the master "
+                f"holds were not audited (see below)")
     if not summary["complete"]:
         return "INCOMPLETE: no findings, but not every key could be read"
     return "CLEAN: every key read, no findings"
+
+
+def _ambiguous_layouts(summary: dict) -> list[str]:
+    """Groups whose value size fits several readings the bytes could not tell apart, and the flags
+    that would settle each."""
+    return [f"layout ambiguous: {printable(row['model'], 60)} group {row['group']}: {len(row['candidates'])} "
+            f"readings fit {row['dominant_size']:,} B; settle with {' or '.join(row['settle_with'])}"
+            for row in summary.get("layout_inference") or () if row.get("status") == "ambiguous"]
 
 
 def _scope(findings: list[KeyRecord]) -> list[str]:
@@ -26,6 +44,16 @@ def _scope(findings: list[KeyRecord]) -> list[str]:
     parsed = [r.parsed_fields() for r in findings]
     counts = Counter((f.get("model"), f.get("tp_rank")) for f in parsed if f.get("scheme") == "vllm")
     return [f"{printable(model, 60)} tp{rank}: {n}" for (model, rank), n in sorted(counts.items(), key=str)]
+
+
+def _by_design(summary: dict) -> str | None:
+    """What the producers write on purpose: counted, never flagged (docs/producers.md)."""
+    verdicts = summary["verdicts"]
+    duplicates, warmups = verdicts.get("EXPECTED_DUPLICATE", 0), verdicts.get("WARMUP_KEY", 0)
+    if not duplicates and not warmups:
+        return None
+    return (f"by design, not findings: {duplicates} key(s) in {summary.get('expected_duplicate_groups', 0)} "
+            f"expected duplicate group(s), {warmups} warm-up key(s)")
 
 
 class HumanSink(WholeReportSink):
@@ -44,16 +72,26 @@ class HumanSink(WholeReportSink):
         if summary["verdicts"]:
             console.print("verdicts: " + ", ".join(f"{v}={n}" for v, n in summary["verdicts"].items()),
                           markup=False)
+        for line in _ambiguous_layouts(summary):
+            console.print(line, markup=False)
+        if "coverage" in summary:
+            for line in [coverage_headline(summary["coverage"]), *gap_lines(summary["coverage"])]:
+                console.print(line, markup=False)
+        by_design = _by_design(summary)
+        if by_design:
+            console.print(by_design, markup=False)
         scope = _scope(report.findings)
         if scope:
             console.print("findings by model and TP rank: " + ", ".join(scope), markup=False)
         rows = sorted(report.records if self.include_all else report.findings, key=lambda r: r.key)
         if rows:
             table = Table(title=None, show_lines=False)
-            for column in ("key", "verdicts", "size", "xxh3"):
+            tenants = any(record.tenant is not None for record in rows)
+            for column in ("key", *(("tenant",) if tenants else ()), "verdicts", "size", "xxh3"):
                 table.add_column(column, overflow="fold")
             for record in rows:
-                table.add_row(inert(record.key), inert(",".join(record.verdicts) or "OK"),
+                table.add_row(inert(record.key), *((inert(record.tenant or DEFAULT_TENANT),) if tenants else ()),
+                              inert(",".join(record.verdicts) or "OK"),
                               str(record.size if record.size is not None else "-"),
                               f"{record.xxh3:016x}" if record.xxh3 is not None else "-")
             console.print(table)

@@ -16,6 +16,7 @@ def report_document(report: Report, *, include_all: bool) -> dict:
         "summary": report.summary,
         "findings": [record.to_json() for record in report.findings],
         "shared_groups": report.shared_groups,
+        "expected_duplicates": report.expected_duplicates,
     }
     if include_all:
         document["keys"] = [record.to_json() for record in report.records]

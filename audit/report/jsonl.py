@@ -1,4 +1,5 @@
-"""`--format jsonl`: one line per key as it is checked, then shared-content groups and a summary.
+"""`--format jsonl`: one line per key as it is checked, then shared-content groups, expected
+duplicate groups and a summary.
 
 Cross-key verdicts (SHARED_CONTENT) are known only at the end: the `shared_group` lines carry them.
 """
@@ -27,5 +28,7 @@ class JsonlSink:
     def finish(self, report: Report) -> None:
         for group in report.shared_groups:
             self._line({"type": "shared_group", **group})
+        for group in report.expected_duplicates:
+            self._line({"type": "expected_duplicate", **group})
         self._line({"type": "summary", **report.summary})
         self.out.close()

@@ -14,6 +14,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Gauge, pushadd_to_gateway, write_to_textfile
 
 from audit.errors import AuditError
+from audit.judge.coverage import REASONS
 from audit.records import FINDINGS, Report
 
 LAST_SUCCESS = "mooncake_audit_last_success_timestamp_seconds"
@@ -36,10 +37,13 @@ def report_registry(report: Report, previous_success: float | None) -> Collector
     gauge("keys_listed", "Keys listed by the last run.", summary["keys_listed"])
     gauge("keys_scanned", "Keys read and checked by the last run.", summary["keys_scanned"])
     gauge("keys_unread", "Keys the last run could not read.", summary["keys_unread"])
+    gauge("keys_not_fully_judged", "Keys read whose layout reading was ambiguous and whose verdicts "
+          "depended on it (AMBIGUOUS_LAYOUT), last run.", summary.get("keys_not_fully_judged", 0))
     gauge("bytes_scanned", "Bytes read and checked by the last run.", summary["bytes_scanned"])
     gauge("duration_seconds", "Duration of the last run.", summary["duration_s"])
     gauge("findings", "Keys with at least one finding in the last run.", summary["findings"])
-    gauge("complete", "1 if the last run read every selected key.", 1 if summary["complete"] else 0)
+    gauge("complete", "1 if the last run read every selected key and audited every key the master holds "
+          "(outside a filter or sample).", 1 if summary["complete"] else 0)
     gauge("exit_code", "Exit code of the last run.", summary["exit_code"])
     if "chunks" in summary:
         chunks = Gauge("mooncake_audit_chunks", "Chunks (keys a producer publishes together) by state, last run.",
@@ -48,6 +52,8 @@ def report_registry(report: Report, previous_success: float | None) -> Collector
         chunks.labels(state="incomplete").set(summary["chunks"]["incomplete"])
         gauge("chunk_members_missing", "Members missing from incomplete chunks in the last run.",
               summary["chunks"]["members_missing"])
+    if "coverage" in summary:
+        _coverage_gauges(registry, summary["coverage"])
     by_verdict = Gauge("mooncake_audit_verdict_keys", "Keys per verdict in the last run.", ["verdict"],
                        registry=registry)
     for verdict in sorted(FINDINGS):
@@ -58,6 +64,35 @@ def report_registry(report: Report, previous_success: float | None) -> Collector
     if success is not None:
         Gauge(LAST_SUCCESS, "When a run last read every selected key.", registry=registry).set(success)
     return registry
+
+
+def _coverage_gauges(registry: CollectorRegistry, coverage: dict) -> None:
+    """The coverage account (docs/coverage.md): counts, gaps by reason, tenants, unread replicas."""
+    keys = Gauge("mooncake_audit_coverage_keys", "Keys the master held, the listing showed, key sources named in "
+                 "other tenants, and the last run read.", ["count"], registry=registry)
+    for count in ("held", "listed", "named", "read"):
+        value = coverage[f"keys_{count}"]
+        if value is not None:
+            keys.labels(count=count).set(value)
+    gaps = Gauge("mooncake_audit_keys_not_audited", "Keys known to exist that the last run did not audit, by reason "
+                 "(blocking: they keep the run from being complete).", ["reason", "blocking"], registry=registry)
+    found = {gap["reason"]: gap for gap in coverage["not_audited"]}
+    for reason, blocking in REASONS.items():
+        if reason == "replicas_not_read":
+            continue  # replicas, not keys: mooncake_audit_replicas_not_read
+        gaps.labels(reason=reason, blocking=str(blocking).lower()).set(found.get(reason, {}).get("keys") or 0)
+    if coverage["tenants"] is not None:
+        tenants = Gauge("mooncake_audit_tenant_keys_read", "Keys the last run read, per Mooncake tenant.", ["tenant"],
+                        registry=registry)
+        charged = Gauge("mooncake_audit_tenant_charged_bytes", "Bytes the master charged each tenant at the start "
+                        "of the last run.", ["tenant"], registry=registry)
+        for tenant in coverage["tenants"]:
+            tenants.labels(tenant=tenant["name"]).set(tenant["keys_read"])
+            charged.labels(tenant=tenant["name"]).set(tenant["charged_bytes"])
+    replicas = Gauge("mooncake_audit_replicas_not_read", "Replicas of the keys the last run selected that no read "
+                     "reached, per tier.", ["tier"], registry=registry)
+    for tier, row in (coverage["replica_tiers"] or {}).items():
+        replicas.labels(tier=tier).set(row["not_read"])
 
 
 def failure_registry(previous_success: float | None) -> CollectorRegistry:

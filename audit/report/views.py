@@ -13,10 +13,13 @@ def _console() -> Console:
     return Console(highlight=False, soft_wrap=False, width=160)
 
 
-def print_layouts(layouts: list[Layout]) -> None:
+def print_layouts(layouts: list[Layout], source_of=None) -> None:
+    """`source_of(layout)`: the manifest a layout came from (audit.layouts.manifest), or None."""
     console = _console()
     for layout in layouts:
         console.print(summarize(layout), markup=False)
+        if source_of is not None and (path := source_of(layout)) is not None:
+            console.print(inert(f"from the producer's manifest {path}"))
         table = Table(show_lines=False)
         for column in ("segment", "layer", "region", "kind", "offset", "length", "dtype", "shape"):
             table.add_column(column, justify="right" if column in ("layer", "offset", "length") else "left")
@@ -37,6 +40,9 @@ def print_explain(document: dict) -> None:
                   f"verdicts {', '.join(document['verdicts']) or 'OK'}", markup=False)
     if document.get("layout"):
         console.print(f"layout {document['layout']}", markup=False)
+    for row in document.get("layout_inference") or []:
+        if row.get("manifest"):
+            console.print(inert(f"layout {row['status']}: {row['from']} {row['manifest']}"))
     table = Table(show_lines=False)
     for column in ("segment", "region", "dtype", "offset", "length", "zero", "nan", "inf", "xxh3",
                    "min", "max", "mean", "first bytes"):

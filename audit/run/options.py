@@ -36,6 +36,8 @@ class ScanOptions:
     verify_writer_checksum: bool = False      # Mooncake verifies the writer's CRC-64 on read (docs/verdicts.md)
     ray: str | None = None                    # a Ray address: shards read by Ray tasks (docs/scale-out.md)
     shard_mb: int = 1024                      # bytes per Ray task
+    tenants: tuple[str, ...] = ()             # other tenants to audit, or "all" (docs/coverage.md)
+    key_files: tuple[Path, ...] = ()          # key sources naming their keys: key lists, reports, snapshots
 
     def scope(self, settings: Settings) -> dict:
         """What a checkpoint belongs to: resuming another scan's checkpoint would mix reports."""

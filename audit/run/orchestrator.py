@@ -16,6 +16,7 @@ from audit.connection import AdminClient, Settings, open_store
 from audit.errors import AuditError
 from audit.layouts import summarize
 from audit.judge.chunks import ChunkIndex
+from audit.judge.duplicates import replication_from
 from audit.judge.merge import merge_records
 from audit.judge.plan import CheckPlan
 from audit.run.progress import ScanProgress
@@ -27,8 +28,12 @@ from audit.sources.selection import select_keys
 from audit.sources.listing import AdminListing
 from audit.run.statedir import StateDir
 from audit.run.options import ScanOptions
-from audit.run.reading import after_batch_hook, confirm_shared, make_reader
+from audit.run.reading import after_batch_hook, confirm_shared, make_reader, read_values
 from audit.run.stops import Deadline, MasterWatch, StopOnSignals
+from audit.run.other_keys import (TenantClients, find_other_tenants_keys, read_other_keys, split_lease_only,
+                                  take_census_after)
+from audit.judge.coverage import replica_tiers
+from audit.sources.census import Census
 from audit.readers.throttle import ThrottledReader
 
 
@@ -56,6 +61,8 @@ def _plan_context(plan: CheckPlan, listed: set[str]) -> dict:
         context["layouts"] = [summarize(layout) for layout in plan.layouts]
     if plan.tables is not None:
         context["block_tables"] = plan.tables.summary(listed)
+    if plan.manifests is not None:
+        context["manifests"] = [manifest.summary() for manifest in plan.manifests.manifests]
     return context
 
 
@@ -189,14 +196,25 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
     checkpoint = None
     evidence = EvidenceStore(options.evidence_dir) if options.evidence_dir is not None else None
     started = time.perf_counter()
+    clients = TenantClients(settings, store.client, closers)
+    census = None
     try:
+        census = Census.before_listing(admin)
         listing = AdminListing(admin, key_filter, size_of=lambda key: store.client().get_size(key)).list()
+        take_census_after(census, admin, listing)
+        other = find_other_tenants_keys(census, options, options.plan, listing, key_filter, clients)
         keys_listed = len(listing.keys) + len(listing.vanished)
         chunks = ChunkIndex.of((key.name, key.size) for key in listing.keys)
-        if options.plan.requests:  # the producer's dtypes and block sizes, from the sizes it wrote
+        if options.plan.requests or options.plan.manifests:  # the producer's layouts: its manifest, or its sizes
             context["layout_inference"] = options.plan.fit_sizes(listing.keys)
+        if options.plan.readings:  # sizes that fit several readings: let a sample's bytes choose
+            samples = options.plan.reading_samples(listing.keys)
+            lease = store.client() if options.read_mode == "lease" else None
+            options.plan.decide_readings(read_values(settings, admin, lease, samples, options), samples)
         context.update(_plan_context(options.plan, {key.name for key in listing.keys}))
         keys = _select(listing.keys, options, state, context)
+        census.not_sampled = len(listing.keys) - len(keys) if options.sample is not None else 0
+        census.tiers = replica_tiers(keys, every_memory_replica=options.read_mode == "peek")
         records.extend(_vanished_before_sizing(listing.vanished if options.sample is None else []))
         keys_selected = len(keys) + len(records)
         if options.checkpoint is not None:
@@ -204,7 +222,11 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
             records.extend(record for name, record in checkpoint.done.items())
             keys = [key for key in keys if key.name not in checkpoint.done]
             context["resumed_keys"] = len(checkpoint.done)
-        progress.start(len(keys), sum(key.size or 0 for key in keys))
+        records.extend(other.records)
+        keys_selected += len(other.keys) + len(other.records)
+        keys, lease_only = split_lease_only(keys, options)
+        other.groups.insert(0, (None, lease_only))
+        progress.start(len(keys) + len(other.keys), sum(key.size or 0 for key in keys + other.keys))
 
         def emit(record: KeyRecord) -> None:
             records.append(record)
@@ -217,6 +239,8 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
             else:
                 reason = _read_here(settings, admin, store.client() if options.read_mode == "lease" else None,
                                     keys, checker, options, stop, checkpoint, evidence, emit, records)
+            reason = reason or read_other_keys(other, clients, checker, options, stop, MasterWatch(admin, stop),
+                                               evidence, emit, started)
         finally:
             progress.stop()
         interrupted = stop.is_set()
@@ -237,7 +261,8 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
     context["finished_at"] = _now()
     report = merge_records(records, context=context, keys_listed=max(keys_listed, len(records)),
                            keys_selected=max(keys_selected, len(records)), interrupted=interrupted,
-                           duration_s=duration_s, chunks=chunks)
+                           duration_s=duration_s, chunks=chunks, census=census,
+                           replication=replication_from({r.name: r.config for r in options.plan.requests}))
     if evidence is not None:
         evidence.finish(report)
     return report

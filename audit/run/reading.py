@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from audit.connection import AdminClient, Settings
 from audit.errors import AuditError
-from audit.judge.merge import mark_shared_content
+from audit.judge.duplicates import mark_duplicates
 from audit.readers.buffers import ALIGNMENT
 from audit.readers.lease import LeaseReader
 from audit.records import KeyInfo, KeyRecord, Verdict
@@ -36,6 +36,30 @@ def make_reader(settings: Settings, admin: AdminClient, store, keys: list[KeyInf
     return PeekReader(settings, admin, buffer_bytes(keys, options))
 
 
+def read_values(settings: Settings, admin: AdminClient, store, keys: list[KeyInfo], options: ScanOptions) -> dict:
+    """A few keys' bytes, copied to host memory (name -> uint8 array): the samples that choose an
+    ambiguous group's reading before the scan. Keys that fail to read are left out."""
+    import numpy as np
+
+    from audit.readers.buffers import plan_batches
+
+    values = {}
+    reader = make_reader(settings, admin, store, keys, options)
+    try:
+        for turn, slots in enumerate(plan_batches(keys, reader.capacity)):
+            batch = reader.fetch(slots, turn)
+            try:
+                for slot, code in zip(batch.slots, batch.results):
+                    if code == slot.key.size:
+                        view = batch.view(slot, code)
+                        values[slot.key.name] = np.array(view.cpu() if hasattr(view, "cpu") else view, copy=True)
+            finally:
+                batch.release()
+    finally:
+        reader.close()
+    return values
+
+
 def confirm_findings(records: list[KeyRecord], confirm) -> None:
     """A lease-free read may race a re-put: findings stand only if a second read sees the same bytes."""
     from audit.readers.confirm import apply_confirmation
@@ -47,7 +71,7 @@ def confirm_findings(records: list[KeyRecord], confirm) -> None:
 
 def confirm_shared(records: list[KeyRecord], reader) -> None:
     """SHARED_CONTENT is known only across keys: confirm its members once the scan is done."""
-    mark_shared_content(records)  # only SHARED_CONTENT: the full merge, chunk checks included, comes after
+    mark_duplicates(records)  # only SHARED_CONTENT: the full merge, chunk checks included, comes after
     pending = [r for r in records if Verdict.SHARED_CONTENT in r.verdicts and "confirmation" not in r.evidence]
     if pending:
         confirm_findings(pending, reader.confirm)

@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from audit.readers.buffers import FetchedBatch, plan_batches
 from audit.judge.key import judge_read
 from audit.judge.plan import CheckPlan
+from audit.judge.readings import combine_readings
+from audit.judge.values import judge_reading, value_reading
 from audit.readers.replicas import judge_replicas
 from audit.records import KeyInfo, KeyRecord
 
@@ -25,15 +27,17 @@ def check_batch(batch: FetchedBatch, checker, plan: CheckPlan, evidence=None) ->
         layouts = [plan.layout_for(slot.key) for slot in batch.slots]
         readable = [i for i, (slot, code) in enumerate(zip(batch.slots, batch.results))
                     if code >= 0 and code == slot.key.size]
-        items = []
-        for i in readable:
-            slot, layout = batch.slots[i], layouts[i]
-            fits = layout if layout is not None and layout.size == slot.key.size else None
-            items.append((slot.offset, slot.key.size, fits))
-        checks = dict(zip(readable, checker.check_values(batch.buffer.array, items)))
+        described = _described(batch, readable)
+        for i, (_, reading) in described.items():
+            layouts[i] = reading.layout  # the value's own description, checked against its size
+        checks = _check(batch, checker, readable, layouts)
         records = [judge_read(slot.key, code, checks.get(i), layout=layouts[i], table=plan.table_entry(slot.key),
                               keep_regions=plan.keep_regions)
                    for i, (slot, code) in enumerate(zip(batch.slots, batch.results))]
+        for i, (fields, reading) in described.items():
+            judge_reading(records[i], fields, reading, keep=plan.keep_regions)
+        if plan.readings:
+            _judge_other_readings(batch, checker, plan, readable, layouts, records)
         if batch.replicas is not None:  # a peek read: every replica's digest
             for record, rows in zip(records, batch.replicas):
                 judge_replicas(record, rows)
@@ -44,6 +48,46 @@ def check_batch(batch: FetchedBatch, checker, plan: CheckPlan, evidence=None) ->
         return records
     finally:
         batch.release()
+
+
+def _described(batch: FetchedBatch, indexes: list[int]) -> dict:
+    """The values at `indexes` that describe themselves (LMCache's): index -> (fields, reading)."""
+    described = {}
+    for i in indexes:
+        slot = batch.slots[i]
+        if (found := value_reading(slot.key.name, batch.view(slot, slot.key.size))) is not None:
+            described[i] = found
+    return described
+
+
+def _check(batch: FetchedBatch, checker, indexes: list[int], layouts: list) -> dict:
+    """Check the values at `indexes`, each with its layout where the layout fits its size."""
+    items = []
+    for i in indexes:
+        slot, layout = batch.slots[i], layouts[i]
+        fits = layout if layout is not None and layout.size == slot.key.size else None
+        items.append((slot.offset, slot.key.size, fits))
+    return dict(zip(indexes, checker.check_values(batch.buffer.array, items)))
+
+
+def _judge_other_readings(batch: FetchedBatch, checker, plan: CheckPlan, readable: list[int], layouts: list,
+                          records: list[KeyRecord]) -> None:
+    """Keys of groups whose reading is undecided: judged again under each other reading, and
+    left with only the verdicts every reading gives."""
+    others = {i: plan.other_readings(layouts[i]) for i in readable}
+    others = {i: rest for i, rest in others.items() if rest and layouts[i].size == batch.slots[i].key.size}
+    judged: dict[int, list[KeyRecord]] = {i: [] for i in others}
+    for turn in range(max(map(len, others.values()), default=0)):
+        indexes = [i for i, rest in others.items() if turn < len(rest)]
+        alternative = [others[i][turn] if i in others and turn < len(others[i]) else None
+                       for i in range(len(batch.slots))]
+        checks = _check(batch, checker, indexes, alternative)
+        for i in indexes:
+            slot = batch.slots[i]
+            judged[i].append(judge_read(slot.key, batch.results[i], checks[i], layout=alternative[i],
+                                        table=plan.table_entry(slot.key)))
+    for i, alternatives in judged.items():
+        records[i] = combine_readings(records[i], alternatives)
 
 
 def scan_keys(keys: Sequence[KeyInfo], reader, checker, plan: CheckPlan | None = None, *,

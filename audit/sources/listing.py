@@ -2,8 +2,9 @@
 
 The admin listing (`/get_all_keys`) splits a key that holds a newline into several lines; lines
 that the lease-free query does not know are rejoined with their neighbours until they name a key.
-A key holding a comma cannot be asked for through `/batch_query_keys`; its size comes from the
-store client instead (`size_of`).
+A key the lease-free query cannot answer for (one holding a comma, which `/batch_query_keys` splits
+on; one it refuses or describes with no replica) is sized by the store client instead (`size_of`),
+and counted (`through_client`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from audit.records import KeyInfo
 
 REJOIN_SPAN = 8                   # a key may hold up to this many newlines and still be found
 REJOIN_LIMIT = 1_000              # unknown lines beyond this are reported as vanished, not rejoined
+TIERS = {"values": "memory", "disk_values": "disk", "local_disk_values": "local_disk", "nof_values": "nof"}
 
 
 @dataclass(frozen=True)
@@ -35,18 +37,22 @@ class Listing:
     keys: list[KeyInfo]
     vanished: list[str]
     listed_lines: int
+    outside_filter: int = 0   # listed lines --prefix/--match leaves out (a key with newlines: one per line)
+    through_client: int = 0   # keys the admin API could not answer for, sized by the store client
 
 
 def _key_info(name: str, answer: dict) -> KeyInfo | None:
-    replicas = answer.get("values") or answer.get("disk_values") or answer.get("local_disk_values") or []
+    """Memory replicas first (readers and shards go by the first), then the other tiers'."""
+    replicas = [{"tier": tier, "endpoint": r.get("transport_endpoint_"), "address": r.get("buffer_address_"),
+                 "size": r.get("size_")} for field, tier in TIERS.items() for r in answer.get(field) or []]
     if not answer.get("ok") or not replicas:
         return None
-    return KeyInfo(
-        name=name,
-        size=int(replicas[0].get("size_", 0)),
-        replicas=[{"endpoint": r.get("transport_endpoint_"), "address": r.get("buffer_address_"),
-                   "size": r.get("size_")} for r in replicas],
-    )
+    return KeyInfo(name=name, size=int(replicas[0]["size"] or 0), replicas=replicas)
+
+
+def admin_readable(key: KeyInfo) -> bool:
+    """Whether a lease-free read can address the key: the admin API described a memory replica."""
+    return any(replica.get("tier") == "memory" for replica in key.replicas)
 
 
 class AdminListing:
@@ -57,8 +63,10 @@ class AdminListing:
         self.admin = admin
         self.key_filter = key_filter
         self.size_of = size_of
+        self._through_client = 0
 
     def list(self) -> Listing:
+        self._through_client = 0
         body = self.admin.all_keys_body().decode("utf-8", errors="surrogateescape")
         lines = body.split("\n")
         if lines and lines[-1] == "":
@@ -74,20 +82,25 @@ class AdminListing:
             else:
                 found.setdefault(info.name, info)
         vanished = self._rejoin(lines, unknown, found)
-        return Listing(keys=list(found.values()), vanished=vanished, listed_lines=len(lines))
+        return Listing(keys=list(found.values()), vanished=vanished, listed_lines=len(lines),
+                       outside_filter=sum(1 for line in lines if line) - len(wanted),
+                       through_client=self._through_client)
 
     def _query(self, names: Iterable[str]) -> dict[str, KeyInfo]:
-        plain, with_comma = [], []
+        plain, unanswered = [], []
         for name in names:
-            (with_comma if "," in name else plain).append(name)
+            (unanswered if "," in name else plain).append(name)
         infos: dict[str, KeyInfo] = {}
         for name, answer in self.admin.query(plain):
             if (info := _key_info(name, answer)) is not None:
                 infos[name] = info
-        for name in with_comma:
+            elif answer.get("error") != "OBJECT_NOT_FOUND":
+                unanswered.append(name)  # refused, or known without a replica: the client may still read it
+        for name in unanswered:
             size = self.size_of(name) if self.size_of else -1
             if size >= 0:
                 infos[name] = KeyInfo(name=name, size=size)
+                self._through_client += 1
         return infos
 
     def _rejoin(self, lines: list[str], unknown: list[int], found: dict[str, KeyInfo]) -> list[str]:

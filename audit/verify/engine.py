@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import tempfile
 import time
@@ -53,6 +54,20 @@ def mooncake_config_for(settings: Settings, config: Path | None, work: Path) -> 
     return path
 
 
+_EXCEPTION_LINE = re.compile(r"^\s*(?:\(\w+ pid=\d+\)\s*)?([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$")
+_WRAPPERS = ("Engine core initialization failed", "See root cause above")
+
+
+def root_cause(output: str) -> str:
+    """vLLM's own reason an engine failed: the last exception line that is not the wrapper
+    ("Engine core initialization failed. See root cause above"); else the log's last lines."""
+    causes = [f"{match[1]}: {match[2]}" for line in output.splitlines()
+              if (match := _EXCEPTION_LINE.match(line)) and not any(w in match[2] for w in _WRAPPERS)]
+    if causes:
+        return causes[-1][-600:]
+    return " | ".join(output.strip().splitlines()[-5:])[-600:]
+
+
 def run_reference(python: str, spec: dict, settings: Settings, config: Path | None, *,
                   timeout_s: float = 3600.0, log=None) -> dict:
     """Run the driver with `python`; returns what it did (prompts, seconds). Its log goes to stderr."""
@@ -74,8 +89,7 @@ def run_reference(python: str, spec: dict, settings: Settings, config: Path | No
             raise AuditError(f"the reference engine did not finish in {timeout_s:.0f} s") from None
         output = process.stdout.decode(errors="replace")
         if process.returncode != 0 or not (work / "out.json").exists():
-            tail = " | ".join(output.strip().splitlines()[-5:])
-            raise AuditError(f"the reference engine ({python}) exited {process.returncode}: {tail[-600:]}")
+            raise AuditError(f"the reference engine ({python}) exited {process.returncode}: {root_cause(output)}")
         if log is not None:
             log(output)
         result = json.loads((work / "out.json").read_text())

@@ -56,7 +56,19 @@ TP2_MODELS: dict[str, TinyModel] = {m.name: m for m in [
     TinyModel("nemotron-h-tiny-tp2", "nemotron_h", "bfloat16", mamba=True, block_size=None,
               config_args={"num_attention_heads": 2}),
 ]}
-ALL_MODELS: dict[str, TinyModel] = {**MODELS, **TP2_MODELS}
+# Only in tests/e2e/test_served_dtypes.py (issue #19): hybrid families and sizes no other test uses.
+# Granite 4.0 hybrid (granitemoehybrid): hidden 128, 4 heads / 2 KV heads of 32, Mamba2 with 8 heads
+# of 32, d_state 32 and n_groups 2 (so TP 2 splits the groups, not replicates them), 4 MoE experts.
+# Zamba2: every layer a Mamba2 mixer; "hybrid" layers also run the shared attention block (one KV
+# cache per hybrid layer in vLLM). transformers 5 saves layers_block_type "mamba" as "linear_attention".
+NEW_FAMILY_MODELS: dict[str, TinyModel] = {m.name: m for m in [
+    TinyModel("granite-4h-tiny", "granitemoehybrid", "bfloat16", mamba=True, block_size=None),
+    TinyModel("zamba2-tiny", "zamba2", "bfloat16", mamba=True, block_size=None,
+              config_args={"layers_block_type": ["mamba"] * 4}),
+    TinyModel("zamba2-hybrid-tiny", "zamba2", "bfloat16", mamba=True, block_size=None,
+              config_args={"layers_block_type": ["mamba", "hybrid", "mamba", "hybrid"]}),
+]}
+ALL_MODELS: dict[str, TinyModel] = {**MODELS, **TP2_MODELS, **NEW_FAMILY_MODELS}
 
 
 def hf_config(model: TinyModel):
@@ -98,6 +110,19 @@ def hf_config(model: TinyModel):
                                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                                  shared_expert_intermediate_size=64, decoder_sparse_step=1,
                                  max_position_embeddings=4096, **common)
+    if model.family == "granitemoehybrid":
+        return t.GraniteMoeHybridConfig(**{**dict(
+            hidden_size=128, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=8, mamba_d_head=32, mamba_n_groups=2,
+            mamba_d_state=32, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, num_local_experts=4,
+            num_experts_per_tok=2, shared_intermediate_size=128, position_embedding_type="nope",
+            max_position_embeddings=4096, **common), **model.config_args})
+    if model.family == "zamba2":
+        # attention: 2 heads of 2*hidden/heads = 64 (vLLM's Zamba2 attention is MHA over num_attention_heads)
+        return t.Zamba2Config(**{**dict(
+            hidden_size=64, num_hidden_layers=4, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=1,
+            n_mamba_heads=8, chunk_size=16, intermediate_size=128, num_attention_heads=2, num_mem_blocks=1,
+            max_position_embeddings=4096, **common), **model.config_args})
     raise ValueError(model.family)
 
 

@@ -221,3 +221,19 @@ def test_the_writers_checksum_is_verified_on_request(settings, cli_args, namespa
         namespace + "crc-bad": ["CHECKSUM_MISMATCH"]}
     code_peek, message = scan("--verify-writer-checksum", "--read-mode", "peek")
     assert code_peek == 2 and "needs --read-mode lease" in message
+
+
+def test_a_layerwise_lmcache_chunk_expects_every_layer():
+    keys = [(f"model@1@0@{chunk:x}@half@{layer}", 100) for chunk in range(3) for layer in range(4)]
+    keys.remove(("model@1@0@1@half@2", 100))
+    judgement = ChunkIndex.of(keys).judge()
+    assert judgement.missing["model@1@0@1@half@0"] == [{"part": 2, "worker_id": 0}]
+    assert judgement.summary["incomplete"] == 1
+
+
+def test_an_sglang_mla_page_expects_every_pipeline_stage():
+    """`{hash}_{n}_k` with no `_v` beside it: an MLA pool's PP stages (or an MHA pool's TP ranks)."""
+    keys = [(f"Qwen3_{page:064x}_{stage}_k", 100) for page in range(3) for stage in (0, 1)]
+    keys.remove((f"Qwen3_{1:064x}_1_k", 100))
+    judgement = ChunkIndex.of(keys).judge()
+    assert judgement.missing == {f"Qwen3_{1:064x}_0_k": [{"part": "k", "shard": 1}]}

@@ -14,9 +14,14 @@ def _keys(model, sizes_by_group, tp_rank=0):
             for group, sizes in sizes_by_group.items() for index, size in enumerate(sizes)]
 
 
+def _infer(request, keys):
+    inference = infer_layouts(request, observed_sizes(keys))
+    return inference.layouts, inference.rows
+
+
 def test_bf16_mamba2_on_cpu_is_inferred_from_sizes():
-    request = LayoutRequest(dict(MAMBA2_TINY, dtype="bfloat16"), "mamba2-tiny-bf16")
-    layouts, rows = infer_layouts(request, observed_sizes(_keys("mamba2-tiny-bf16", {0: [18_304] * 3})))
+    request = LayoutRequest(dict(MAMBA2_TINY, dtype="bfloat16"), "mamba2-tiny-bf16", model_dtype="bfloat16")
+    layouts, rows = _infer(request, _keys("mamba2-tiny-bf16", {0: [18_304] * 3}))
     assert layouts[0].size == 18_304
     (row,) = rows
     assert row["status"] == "inferred" and row["from"] == "3 of 3 keys of 18,304 B"
@@ -24,29 +29,52 @@ def test_bf16_mamba2_on_cpu_is_inferred_from_sizes():
         "cpu", "bfloat16", "float32")
 
 
+def test_a_size_that_fits_several_readings_is_ambiguous_with_its_candidates():
+    # without --dtype, a float16 producer's conv state has the size of a bfloat16 one
+    request = LayoutRequest(dict(MAMBA2_TINY, dtype="bfloat16"), "m")
+    inference = infer_layouts(request, observed_sizes(_keys("m", {0: [18_304] * 3})))
+    (row,) = inference.rows
+    assert row["status"] == "ambiguous"
+    assert [candidate["assumed"]["conv_dtype"] for candidate in row["candidates"]] == ["bfloat16", "float16"]
+    assert "--dtype" in row["settle_with"] and "--block-size" not in row["settle_with"]
+    assert [reading.layout.size for reading in inference.readings[("m", 0)]] == [18_304, 18_304]
+    assert inference.layouts[0] is inference.readings[("m", 0)][0].layout  # the most likely reading leads
+
+
+def test_attention_in_float32_and_bfloat16_are_two_readings_of_one_size():
+    inference = infer_layouts(LayoutRequest(LLAMA_TINY, "l"), observed_sizes(_keys("l", {0: [16_384]})))
+    readings = inference.readings[("l", 0)]
+    assert sorted((r.assumed["kv_dtype"], r.assumed["block_size"]) for r in readings) == [
+        ("bfloat16", 32), ("float16", 32), ("float32", 16)]
+    given = LayoutRequest(LLAMA_TINY, "l", model_dtype="float32")
+    inference = infer_layouts(given, observed_sizes(_keys("l", {0: [16_384]})))
+    assert inference.readings == {} and inference.rows[0]["assumed"]["block_size"] == 16
+
+
 def test_float32_model_and_defaults():
     request = LayoutRequest(dict(MAMBA2_TINY, dtype="float32"), "m")
-    layouts, rows = infer_layouts(request, observed_sizes(_keys("m", {0: [20_224] * 2})))
+    layouts, rows = _infer(request, _keys("m", {0: [20_224] * 2}))
     assert layouts[0].size == 20_224 and rows[0]["assumed"]["model_dtype"] == "float32"
     # sizes that vLLM's CUDA defaults give: nothing inferred
-    layouts, rows = infer_layouts(request, observed_sizes(_keys("m", {0: [10_112]})))
+    given = LayoutRequest(dict(MAMBA2_TINY, dtype="float32"), "m", model_dtype="bfloat16", ssm_dtype="bfloat16")
+    layouts, rows = _infer(given, _keys("m", {0: [10_112]}))
     assert rows[0]["status"] == "as_configured"
 
 
 def test_attention_block_size_from_sizes_and_a_second_producer():
     request = LayoutRequest(LLAMA_TINY, "llama-tiny")
     keys = _keys("llama-tiny", {0: [16_384] * 5 + [65_536]})
-    layouts, (row,) = infer_layouts(request, observed_sizes(keys))
+    layouts, (row,) = _infer(request, keys)
     assert layouts[0].size == 16_384 and row["assumed"]["block_size"] == 32
     assert row["other_sizes"] == {"65536": 1}  # stays SIZE_MISMATCH: another producer?
 
 
 def test_per_group_and_no_fit():
     request = LayoutRequest(NEMOTRON_TINY, "n")
-    layouts, rows = infer_layouts(request, observed_sizes(_keys("n", {0: [32_768], 1: [32_768], 2: [32_768]})))
-    assert [row["status"] for row in rows] == ["inferred"] * 3
+    layouts, rows = _infer(request, _keys("n", {0: [32_768], 1: [32_768], 2: [32_768]}))
+    assert [row["status"] for row in rows] == ["ambiguous"] * 3
     assert {row["assumed"]["platform"] for row in rows} == {"cpu"}
-    _, rows = infer_layouts(request, observed_sizes(_keys("n", {0: [12_345]})))
+    _, rows = _infer(request, _keys("n", {0: [12_345]}))
     assert rows[0]["status"] == "no_fit" and rows[0]["layout_size"] == 12_288
 
 
@@ -54,10 +82,10 @@ def test_tp_size_inferred_when_not_given():
     config = dict(MAMBA2_TINY, dtype="bfloat16", n_groups=2)
     # TP 2: conv (3, (128 + 2*2*16)/2 = 96) bf16 = 576, ssm (4, 16, 16) bf16 = 2,048; 2 layers = 5,248
     request = LayoutRequest(config, "m")
-    layouts, rows = infer_layouts(request, observed_sizes(_keys("m", {0: [5_248]})))
+    layouts, rows = _infer(request, _keys("m", {0: [5_248]}))
     assert layouts[0].tp_size == 2 and rows[0]["assumed"]["tp_size"] == 2
     given = LayoutRequest(config, "m", tp_given=True)
-    _, rows = infer_layouts(given, observed_sizes(_keys("m", {0: [5_248]})))
+    _, rows = _infer(given, _keys("m", {0: [5_248]}))
     assert rows[0]["status"] == "no_fit"
 
 
@@ -67,11 +95,11 @@ def test_plan_fit_sizes(tmp_path):
     model_dir = tmp_path / "mamba2-tiny-bf16"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(dict(MAMBA2_TINY, dtype="bfloat16")))
-    plan = CheckPlan(load_layouts(model_configs=[model_dir]))
+    plan = CheckPlan(load_layouts(model_configs=[model_dir], model_dtype="bfloat16"))
     keys = _keys("mamba2-tiny-bf16", {0: [18_304] * 2})
     assert plan.layout_for(keys[0]).size == 10_112  # before: vLLM's CUDA defaults
     rows = plan.fit_sizes(keys)
-    assert plan.inference == rows and rows[0]["status"] == "inferred"
+    assert plan.inference == rows and rows[0]["status"] == "inferred" and plan.readings == {}
     assert plan.layout_for(keys[0]).size == 18_304
     # keys of other schemes and Store-TP shards are not counted
     assert observed_sizes([KeyInfo("opaque-key", 5), KeyInfo(vllm_key("m", "ab", store_namespace=(

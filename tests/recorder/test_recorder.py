@@ -261,8 +261,9 @@ def test_keys_placed_differently_in_one_put_are_each_exact(tmp_path):
 def test_other_calls_pass_through(open_recording_store, record_dir, namespace):
     store = open_recording_store(guard=True)
     recording_class = type(store)
-    overridden = {"register_buffer", "unregister_buffer", "batch_put_from_multi_buffers", "batch_put_from"}
+    overridden = {"setup", "register_buffer", "unregister_buffer", "batch_put_from_multi_buffers", "batch_put_from"}
     assert isinstance(store, ORIGINAL_STORE)
+    assert store.audit_tenant == "default"  # setup passed through, no tenant asked for
     for name in dir(ORIGINAL_STORE):
         if not name.startswith("_") and name not in overridden:
             assert getattr(recording_class, name) is getattr(ORIGINAL_STORE, name), name

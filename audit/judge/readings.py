@@ -1,0 +1,85 @@
+"""When a group's value size fits several readings (dtypes, boundaries), no verdict may rest on one
+the audit merely assumed: the bytes choose one where they can, and where they cannot, a key keeps
+only the verdicts every reading gives it.
+
+The bytes choose over a sample of the group's keys (`audit.checks.plausibility`): the reading
+whose non-zero bytes decode as sane numbers and zero padding wins by a margin. Readings that tie
+and read the same boundaries in different widths go to the narrowest: wide data read narrow fails
+the test (a float32 word's low half is noise), so a narrow reading that decodes cleanly is the
+narrow dtype, or float32 data whose low halves are zero, where both readings agree on every
+verdict. Readings of one width (bfloat16 and float16 states both look sane) stay undecided.
+"""
+
+from __future__ import annotations
+
+import math
+
+from audit.checks.plausibility import Plausibility, value_plausibility
+from audit.records import KeyRecord, Verdict
+
+MARGIN = 0.05  # the winner's plausible share must beat every other reading's by this much
+# A tie goes to the narrowest reading only if it decodes cleanly: float32 read as float16 leaves
+# about 1.6% of its numbers NaN, Inf or absurd, float32 read as bfloat16 about a third.
+PERFECT = 0.999
+SAMPLE_KEYS = 16  # keys read per ambiguous group to choose its reading
+_EVIDENCE = {Verdict.ZERO_VALUE: "zero"}
+
+
+def _boundaries(layout) -> tuple:
+    return tuple((region.offset, region.length, region.kind) for _, region in layout.regions())
+
+
+def _elements(layout) -> int:
+    """How many numbers the layout reads the value as: more means narrower dtypes."""
+    return sum(math.prod(region.shape) for _, region in layout.regions() if region.kind != "padding")
+
+
+def choose_reading(layouts: list, values: list) -> tuple[list[int], dict]:
+    """Which of `layouts` the sampled `values` (uint8 arrays of the layouts' size) may be: one
+    index when the bytes choose, the readings they cannot tell apart otherwise (those clearly
+    less plausible dropped). The evidence: each reading's plausible share and the rule applied."""
+    totals = [Plausibility() for _ in layouts]
+    for value in values:
+        totals = [total + value_plausibility(value, layout) for total, layout in zip(totals, layouts)]
+    scores = [total.score for total in totals]
+    evidence = {"keys_sampled": len(values), "scores": [None if s is None else round(s, 4) for s in scores]}
+    if any(score is None for score in scores):
+        evidence["rule"] = "no non-zero bytes to judge by"
+        return list(range(len(layouts))), evidence
+    best = max(range(len(layouts)), key=lambda i: scores[i])
+    close = [i for i in range(len(layouts)) if scores[best] - scores[i] < MARGIN]
+    if len(close) == 1:
+        runner_up = max(score for i, score in enumerate(scores) if i != best)
+        evidence.update(rule="most plausible", margin=round(scores[best] - runner_up, 4))
+        return [best], evidence
+    if len({_boundaries(layouts[i]) for i in close}) == 1:
+        perfect = [i for i in close if scores[i] >= PERFECT]
+        most = max((_elements(layouts[i]) for i in perfect), default=None)
+        narrowest = [i for i in perfect if _elements(layouts[i]) == most]
+        if len(narrowest) == 1:
+            evidence.update(rule="tie on the same boundaries: the narrowest dtype that decodes cleanly",
+                            tied=sorted(close))
+            return narrowest, evidence
+    evidence.update(rule="the bytes cannot tell these readings apart", tied=sorted(close))
+    return sorted(close, key=lambda i: -scores[i]), evidence
+
+
+def combine_readings(primary: KeyRecord, others: list[KeyRecord]) -> KeyRecord:
+    """One key judged under every reading of an undecided group: verdicts that all give stand;
+    the rest are withheld with the per-region results (they depend on the reading), and the key
+    is AMBIGUOUS_LAYOUT (not judged fully: not clean). Where every reading gives the same
+    verdicts, the most likely reading's regions stay (the group's layout_inference row says it
+    is one of several)."""
+    held = [verdict for verdict in primary.verdicts if all(verdict in other.verdicts for other in others)]
+    every = [primary, *others]
+    withheld = sorted({verdict for record in every for verdict in record.verdicts} - set(held))
+    if not withheld:
+        return primary
+    primary.regions = None
+    for verdict in withheld:
+        primary.evidence.pop(_EVIDENCE.get(verdict, verdict.lower()), None)
+    primary.verdicts = held + [Verdict.AMBIGUOUS_LAYOUT]
+    primary.evidence["ambiguous_layout"] = {
+        "withheld": withheld, "readings": len(every),
+        "verdicts_by_reading": [sorted(record.verdicts) for record in every]}
+    return primary

@@ -1,0 +1,57 @@
+"""The producers that write into a Mooncake Store, each behind `base.Producer`: vLLM's connector,
+SGLang HiCache and LMCache. A key belongs to the first whose names it matches."""
+
+from __future__ import annotations
+
+from audit.producers.base import Member, Producer, ValueReading
+from audit.producers.lmcache.producer import LMCache
+from audit.producers.sglang import SGLang
+from audit.producers.vllm import OPAQUE, VLLM
+
+# vLLM first: a key with vLLM's markers is vLLM's or nobody's. SGLang before LMCache: an SGLang
+# prefix (`{tag}_`) may hold '@', an LMCache key never ends in `_{k|v|...}`.
+PRODUCERS: tuple[Producer, ...] = (VLLM(), SGLang(), LMCache())
+_BY_SCHEME = {producer.scheme: producer for producer in PRODUCERS}
+HEAD_BYTES = max(producer.head_bytes for producer in PRODUCERS)
+
+
+def parse_key(key: str) -> dict:
+    """The key's scheme and fields, e.g. ``{"scheme": "vllm", "model": ..., "tp_rank": 1, ...}``;
+    ``{"scheme": "opaque"}`` for a key no producer names (still audited by its bytes)."""
+    for producer in PRODUCERS:
+        fields = producer.parse(key)
+        if fields is not None:
+            return fields
+    return dict(OPAQUE)
+
+
+def producer_of(scheme: str | None) -> Producer | None:
+    return _BY_SCHEME.get(scheme)
+
+
+def member_of(fields: dict) -> Member | None:
+    """Where the key sits among its producer's chunks, or None (an opaque key, a probe)."""
+    producer = producer_of(fields.get("scheme"))
+    return None if producer is None else producer.member(fields)
+
+
+def probe_of(name: str, size: int | None, zero: bool | None) -> str | None:
+    """Why key `name` is a probe its producer writes on purpose (not cache), or None."""
+    fields = parse_key(name)
+    producer = producer_of(fields.get("scheme"))
+    return None if producer is None else producer.probe(fields, size, zero)
+
+
+def describes_itself(head: bytes) -> bool:
+    """Whether a value starting with `head` (its first HEAD_BYTES) may describe itself."""
+    return any(producer.may_describe(head) for producer in PRODUCERS)
+
+
+def read_value(name: str, value) -> tuple[dict, ValueReading] | None:
+    """What the value (a host uint8 array) of key `name` says about itself, with the key's fields,
+    where its producer's values describe themselves; None for every other value. Ask
+    `describes_itself` first: it spares most values the parsing of their key."""
+    fields = parse_key(name)
+    producer = producer_of(fields.get("scheme"))
+    reading = None if producer is None else producer.read_value(fields, value)
+    return None if reading is None else (fields, reading)

@@ -1,0 +1,93 @@
+"""The one interface every producer (a writer into Mooncake Store) offers the audit: how its key
+names parse, which keys make one chunk, which identical bytes it writes by design, which keys
+are probes rather than cache, and what its values say about themselves. `audit.judge` asks these
+questions and never names a producer."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from audit.layouts.model import Layout
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """Where one key sits: its chunk, the family of chunks it belongs to, its part and rank."""
+
+    family: tuple
+    chunk: tuple
+    part: object
+    rank: tuple
+    world: int | None = None  # ranks the key itself says exist (LMCache's world size)
+
+
+@dataclass(frozen=True, slots=True)
+class Disagreement:
+    """Something a value's own description contradicts: `kind` is "size" (its size), "identity"
+    (its key) or "checksum" (its own digest)."""
+
+    kind: str
+    evidence: dict
+
+
+@dataclass(frozen=True, slots=True)
+class ValueReading:
+    """What a value says about itself (LMCache's header, a checksum frame): the layout to check
+    its bytes with (None: they contradict it), what was decoded, and what it contradicts."""
+
+    layout: Layout | None
+    decoded: dict
+    disagreements: tuple[Disagreement, ...] = ()
+
+
+class Producer:
+    """Defaults for a producer that writes fixed-size pages, no legitimate duplicates, no probes
+    and no self-describing values; each producer overrides what it does otherwise."""
+
+    scheme = ""
+    fixed_size = True     # every key of one (family, part, rank) has the same size
+    every_part = False    # each chunk holds every part its family shows (one key per layer)
+    head_bytes = 0        # the leading bytes `may_describe` looks at
+
+    def parse(self, key: str) -> dict | None:
+        """The key's fields, or None when the key is not this producer's."""
+        raise NotImplementedError
+
+    def member(self, fields: dict) -> Member | None:
+        return None
+
+    def member_fields(self, part, rank: tuple) -> dict:
+        """A member named in evidence (e.g. a missing one): its part and rank as key fields."""
+        return {}
+
+    def content(self, fields: dict) -> tuple | None:
+        """What the key's bytes are a function of, leaving out what by design does not change them
+        (LMCache's tags, the worker holding a replicated head): keys of equal content may hold
+        identical bytes. None: no key of this one's legitimately shares its bytes."""
+        return None
+
+    def replica(self, fields: dict) -> tuple[int, int] | None:
+        """(worker, world size) where workers of one chunk may hold copies of one head."""
+        return None
+
+    def probe(self, fields: dict, size: int | None, zero: bool | None) -> str | None:
+        """Why the key is a probe the producer writes on purpose (not cache), or None."""
+        return None
+
+    def may_describe(self, head: bytes) -> bool:
+        """Whether a value starting with `head` could describe itself (a cheap look, no parsing)."""
+        return False
+
+    def read_value(self, fields: dict, value) -> ValueReading | None:
+        """What the value (a uint8 array) says about itself, or None when it says nothing."""
+        return None
+
+
+def match_fields(match: re.Match, scheme: str, integers: frozenset) -> dict:
+    """A key pattern's non-empty groups as the key's fields, `integers` as ints."""
+    fields: dict = {"scheme": scheme}
+    for name, value in match.groupdict().items():
+        if value is not None and value != "":
+            fields[name] = int(value) if name in integers else value
+    return fields
