@@ -145,6 +145,9 @@ RayAddress = Annotated[Optional[str], typer.Option(
     help="Read on a Ray cluster, one task per holder shard: auto, local, ray://HOST:PORT or a GCS HOST:PORT.")]
 ShardMb = Annotated[int, typer.Option("--shard-mb", envvar="MOONCAKE_AUDIT_SHARD_MB", min=1,
                                       help="With --ray: MiB of values per Ray task.")]
+FailOn = Annotated[str, typer.Option("--fail-on", envvar="MOONCAKE_AUDIT_FAIL_ON",
+                                    help="Exit 1 on findings of this severity or worse: error, or warning "
+                                         "(docs/verdicts.md#severity).")]
 Pushgateway = Annotated[Optional[str], typer.Option("--pushgateway", envvar="MOONCAKE_AUDIT_PUSHGATEWAY",
                                                     help="Prometheus Pushgateway URL.")]
 # Other tenants (docs/coverage.md)
@@ -304,6 +307,7 @@ def _run(options: dict, **scan_options):
     fmt, output, include_all = report_options["fmt"], report_options["output"], report_options["include_all"]
     _check_choice("--format", fmt, FORMATS)
     _check_choice("--read-mode", scan_options.get("read_mode"), ("lease", "peek"))
+    _check_choice("--fail-on", scan_options.get("fail_on"), ("error", "warning"))
     if scan_options.get("resume") and scan_options.get("checkpoint") is None:
         raise fail("--resume needs --checkpoint PATH")
     try:
@@ -322,13 +326,13 @@ SCANNING = (_connection_options, _key_options, _tenant_options, _read_options, _
 @app.command()
 @_takes(*SCANNING, after=(_report_options, _progress_option))
 def scan(*, checkpoint: CheckpointOpt = None, resume: Resume = False, evidence: EvidenceDir = None,
-         read_mode: ReadMode = "lease", **options) -> None:
+         read_mode: ReadMode = "lease", fail_on: FailOn = "error", **options) -> None:
     """List every key, read every value, report digests, zero values, shared content and, with a
     layout or block tables, the vLLM #53084 verdicts.
 
-    Exit codes: 0 clean, 1 findings, 2 could not run, 3 incomplete.
+    Exit codes: 0 clean (warnings allowed unless --fail-on warning), 1 errors, 2 could not run, 3 incomplete.
     """
-    _run(options, checkpoint=checkpoint, resume=resume, evidence_dir=evidence, read_mode=read_mode)
+    _run(options, checkpoint=checkpoint, resume=resume, evidence_dir=evidence, read_mode=read_mode, fail_on=fail_on)
 
 
 @app.command()
@@ -336,14 +340,64 @@ def scan(*, checkpoint: CheckpointOpt = None, resume: Resume = False, evidence: 
 def check(*, sample: Sample = None, seed: Seed = 0, state_dir: StateDirOpt = None, deadline: Deadline = None,
           max_bandwidth: MaxBandwidth = None, checkpoint: CheckpointOpt = None, resume: Resume = False,
           prom_file: PromFile = None, pushgateway: Pushgateway = None, evidence: EvidenceDir = None,
-          read_mode: ReadMode = "peek", **options) -> None:
+          read_mode: ReadMode = "peek", fail_on: FailOn = "error", **options) -> None:
     """The scan tuned for cron: sampling, a deadline, a bandwidth limit, a lock, metrics.
 
-    Exit codes: 0 clean, 1 findings, 2 could not run (or another check holds the lock), 3 incomplete.
+    Exit codes: 0 clean (warnings allowed unless --fail-on warning), 1 errors, 2 could not run (or
+    another check holds the lock), 3 incomplete.
     """
     _run(options, sample=sample, seed=seed, state_dir=state_dir, deadline_s=deadline, max_bandwidth=max_bandwidth,
          checkpoint=checkpoint, resume=resume, prom_file=prom_file, pushgateway=pushgateway, evidence_dir=evidence,
-         read_mode=read_mode)
+         read_mode=read_mode, fail_on=fail_on)
+
+
+@app.command()
+@_takes(_connection_options, _key_options, _read_options, _model_options, _block_table_options)
+def watch(*, state_dir: Annotated[Optional[Path], typer.Option(
+              "--state-dir", envvar="MOONCAKE_AUDIT_STATE_DIR",
+              help="Its state (SQLite), findings.jsonl and lock. Required.")] = None,
+          interval: Annotated[float, typer.Option(
+              "--interval", envvar="MOONCAKE_AUDIT_INTERVAL", min=0.1,
+              help="Seconds between listings (new keys first); stretched while the listing takes over a "
+                   "tenth of it.")] = 10.0,
+          period: Annotated[str, typer.Option(
+              "--period", envvar="MOONCAKE_AUDIT_PERIOD", help="Re-read every key at least this often "
+                                                               "(3600, 30m, 24h, 7d), oldest first.")] = "24h",
+          window: Annotated[Optional[str], typer.Option(
+              "--window", envvar="MOONCAKE_AUDIT_WINDOW", metavar="HH:MM-HH:MM",
+              help="Re-read old keys only inside this local-time window (new keys are read at once).")] = None,
+          listen: Annotated[str, typer.Option(
+              "--listen", envvar="MOONCAKE_AUDIT_LISTEN", help="HOST:PORT for /metrics and /healthz.")]
+          = "127.0.0.1:9310",
+          max_bandwidth: MaxBandwidth = None, read_mode: ReadMode = "peek", **options) -> None:
+    """Scrub continuously: every new key within seconds of its listing, every key once per period.
+
+    Runs until SIGTERM or SIGINT (exit 0, state flushed); exit 2 if it cannot start.
+    """
+    from audit.run.device import resolve_placement
+    from audit.run.options import ScanOptions
+    from audit.run.watch import Watcher, WatchOptions, parse_duration, parse_window
+
+    _check_choice("--read-mode", read_mode, ("lease", "peek"))
+    if state_dir is None:
+        raise fail("give --state-dir DIR: where watch keeps its state")
+    try:
+        settings = _settings(**_pick(options, _connection_options))
+        block_options = _pick(dict(options), _block_table_options)
+        plan = _plan(**_pick(options, _model_options, _block_table_options))
+        read = _pick(options, _read_options)
+        placement = resolve_placement(read.pop("device"), read.pop("checker"), read_mode)
+        scan_options = ScanOptions(plan=plan, placement=placement, read_mode=read_mode, max_bandwidth=max_bandwidth,
+                                   **_pick(options, _key_options), **read)
+        watch_options = WatchOptions(state_dir=state_dir, interval_s=interval, period_s=parse_duration(period),
+                                     window=None if window is None else parse_window(window), listen=listen,
+                                     block_tables=tuple(block_options["block_tables"] or ()),
+                                     lenient=block_options["lenient"], scan=scan_options)
+        stopped_by = Watcher(settings, watch_options, log=lambda line: typer.echo(printable(line, 400), err=True)).run()
+    except AuditError as error:
+        raise fail(str(error)) from None
+    typer.echo(f"watch: stopped ({stopped_by}); state in {printable(str(state_dir))}", err=True)
+    raise typer.Exit(0)
 
 
 @app.command()

@@ -9,7 +9,7 @@ from audit.keys import parse_key
 
 
 class Verdict(StrEnum):
-    # Findings: exit 1.
+    # Findings: each has a severity (SEVERITY); errors exit 1, warnings only with --fail-on warning.
     ZERO_VALUE = "ZERO_VALUE"              # every byte of the value is zero
     SHARED_CONTENT = "SHARED_CONTENT"      # identical non-zero bytes under two or more distinct keys
     CHECKSUM_MISMATCH = "CHECKSUM_MISMATCH"  # Mooncake's CRC check failed on read (-801)
@@ -44,6 +44,32 @@ FINDINGS = frozenset({Verdict.ZERO_VALUE, Verdict.SHARED_CONTENT, Verdict.CHECKS
                       Verdict.SIZE_MISMATCH, Verdict.REPLICA_DIVERGENT, Verdict.INCOMPLETE_CHUNK,
                       Verdict.IDENTITY_SUSPECT, Verdict.DIVERGENT_STATE})
 INCOMPLETE = frozenset({Verdict.UNREACHABLE, Verdict.READ_ERROR})
+
+
+class Severity(StrEnum):
+    """How bad a finding is (docs/verdicts.md#severity): an error is bytes a consumer would use
+    wrongly; a warning is waste or doubt."""
+
+    ERROR = "error"
+    WARNING = "warning"
+
+
+SEVERITY = {Verdict.ZERO_VALUE: Severity.ERROR, Verdict.ZERO_STATE: Severity.ERROR, Verdict.NULL_BACKED: Severity.ERROR,
+            Verdict.PARTIAL_ZERO: Severity.ERROR, Verdict.NONFINITE: Severity.ERROR,
+            Verdict.SIZE_MISMATCH: Severity.ERROR, Verdict.CHECKSUM_MISMATCH: Severity.ERROR,
+            Verdict.REPLICA_DIVERGENT: Severity.ERROR, Verdict.DIVERGENT_STATE: Severity.ERROR,
+            Verdict.IDENTITY_SUSPECT: Severity.ERROR,  # a size outlier alone: a warning (verdict_severity)
+            Verdict.SHARED_CONTENT: Severity.WARNING, Verdict.INCOMPLETE_CHUNK: Severity.WARNING}
+
+
+def verdict_severity(verdict: str, evidence: dict) -> Severity | None:
+    """A verdict's severity on one key; None for what is not a finding. IDENTITY_SUSPECT is an error
+    when bytes show the mixup (a rank's copy, a header naming another chunk), a warning when only
+    the size stands out."""
+    if verdict == Verdict.IDENTITY_SUSPECT and "value_identity" not in evidence \
+            and "rank_mixup" not in (evidence.get("identity") or {}):
+        return Severity.WARNING
+    return SEVERITY.get(verdict)
 UNJUDGED = frozenset({Verdict.AMBIGUOUS_LAYOUT})
 
 
@@ -89,6 +115,12 @@ class KeyRecord:
         return any(v in FINDINGS for v in self.verdicts)
 
     @property
+    def severity(self) -> Severity | None:
+        """The worst severity among its verdicts; None when it has no finding."""
+        found = {verdict_severity(v, self.evidence) for v in self.verdicts} - {None}
+        return Severity.ERROR if Severity.ERROR in found else (Severity.WARNING if found else None)
+
+    @property
     def is_incomplete(self) -> bool:
         return any(v in INCOMPLETE for v in self.verdicts)
 
@@ -107,6 +139,8 @@ class KeyRecord:
             "fields": self.parsed_fields(),
             "evidence": self.evidence,
         }
+        if (severity := self.severity) is not None:
+            document["severity"] = str(severity)
         if self.error is not None:
             document["error"] = self.error
         if self.layout is not None:

@@ -8,8 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(libibverbs1 libnuma1)
-# the tests render the HTML report in headless Chromium
-[[ "${1:-}" == "--test" ]] && packages+=(chromium)
+# the tests render the HTML report in headless Chromium and check the shipped alert rules with
+# promtool (Debian's prometheus package)
+[[ "${1:-}" == "--test" ]] && packages+=(chromium prometheus)
 missing=()
 for package in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "ok installed" || missing+=("$package")

@@ -19,8 +19,12 @@ SCHEMA = "mooncake-audit/report"
 SCHEMA_VERSION = 1
 
 
-def exit_code_for(findings: int, incomplete: bool) -> int:
-    if findings:
+FAIL_ON = ("error", "warning")
+
+
+def exit_code_for(severities: dict[str, int], incomplete: bool, fail_on: str = "error") -> int:
+    """1 on errors, or on warnings too with `fail_on="warning"`; else 3 if incomplete, 0 if not."""
+    if severities.get("error") or (fail_on == "warning" and severities.get("warning")):
         return 1
     return 3 if incomplete else 0
 
@@ -28,7 +32,7 @@ def exit_code_for(findings: int, incomplete: bool) -> int:
 def merge_records(records: Iterable[KeyRecord], *, context: dict, keys_listed: int,
                   keys_selected: int | None = None, interrupted: bool = False, duration_s: float = 0.0,
                   chunks: ChunkIndex | None = None, census: Census | None = None,
-                  replication: Replication | None = None) -> Report:
+                  replication: Replication | None = None, fail_on: str = "error") -> Report:
     """One report from per-key records; `context` (cluster, options, times) goes into the summary.
 
     `keys_selected`: how many of the listed keys this run meant to read (a sample); completeness is
@@ -36,6 +40,7 @@ def merge_records(records: Iterable[KeyRecord], *, context: dict, keys_listed: i
     members of a chunk, but the listing has them all); without it, the records' keys. `census`:
     what the master holds, for the coverage account (a complete report also needs a complete account).
     `replication`: a model config's KV-head replication, for the duplicates its producer writes.
+    `fail_on`: the least severity that makes the exit code 1.
     """
     keys_selected = keys_listed if keys_selected is None else keys_selected
     records = list(records)
@@ -43,6 +48,8 @@ def merge_records(records: Iterable[KeyRecord], *, context: dict, keys_listed: i
     chunk_summary = mark_chunks(records, chunks)
     verdicts = Counter(v for record in records for v in record.verdicts)
     findings = sum(1 for record in records if record.is_finding)
+    severities = Counter(str(record.severity) for record in records if record.severity is not None)
+    severities = {name: severities.get(name, 0) for name in FAIL_ON}
     unread = sum(1 for record in records if record.is_incomplete)
     unjudged = sum(1 for record in records if record.is_unjudged)
     read = [record for record in records if record.xxh3 is not None]
@@ -64,6 +71,8 @@ def merge_records(records: Iterable[KeyRecord], *, context: dict, keys_listed: i
         "duration_s": round(duration_s, 3),
         "bytes_per_s": round(bytes_scanned / duration_s) if duration_s > 0 else None,
         "findings": findings,
+        "severities": severities,
+        "fail_on": fail_on,
         "verdicts": dict(sorted(verdicts.items())),
         "shared_groups": len(groups),
         "expected_duplicate_groups": len(expected),
@@ -71,12 +80,12 @@ def merge_records(records: Iterable[KeyRecord], *, context: dict, keys_listed: i
         **({"coverage": coverage} if coverage is not None else {}),
         "interrupted": interrupted,
         "complete": not incomplete,
-        "exit_code": exit_code_for(findings, incomplete),
+        "exit_code": exit_code_for(severities, incomplete, fail_on),
     }
     return Report(summary=summary, records=records, shared_groups=groups, expected_duplicates=expected)
 
 
-def merge_reports(reports: Iterable[Report], *, context: dict) -> Report:
+def merge_reports(reports: Iterable[Report], *, context: dict, fail_on: str = "error") -> Report:
     """Several shards' reports as one: records concatenated, cross-key verdicts recomputed."""
     reports = list(reports)
     return merge_records(
@@ -86,5 +95,6 @@ def merge_reports(reports: Iterable[Report], *, context: dict) -> Report:
         keys_selected=sum(report.summary["keys_selected"] for report in reports),
         interrupted=any(report.summary["interrupted"] for report in reports),
         duration_s=max((report.summary["duration_s"] for report in reports), default=0.0),
+        fail_on=fail_on,
     )
 

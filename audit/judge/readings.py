@@ -18,8 +18,9 @@ from audit.checks.plausibility import Plausibility, value_plausibility
 from audit.records import KeyRecord, Verdict
 
 MARGIN = 0.05  # the winner's plausible share must beat every other reading's by this much
-# A tie goes to the narrowest reading only if it decodes cleanly: float32 read as float16 leaves
-# about 1.6% of its numbers NaN, Inf or absurd, float32 read as bfloat16 about a third.
+# Decoding cleanly: where one reading does, readings that do not are out, and a tie on the same
+# boundaries goes to the narrowest that does (float32 read as float16 leaves about 1.6% of its
+# numbers NaN, Inf or absurd, float32 read as bfloat16 about a third).
 PERFECT = 0.999
 SAMPLE_KEYS = 16  # keys read per ambiguous group to choose its reading
 _EVIDENCE = {Verdict.ZERO_VALUE: "zero"}
@@ -37,31 +38,34 @@ def _elements(layout) -> int:
 def choose_reading(layouts: list, values: list) -> tuple[list[int], dict]:
     """Which of `layouts` the sampled `values` (uint8 arrays of the layouts' size) may be: one
     index when the bytes choose, the readings they cannot tell apart otherwise (those clearly
-    less plausible dropped). The evidence: each reading's plausible share and the rule applied."""
+    less plausible dropped), most plausible first. The evidence: the rule applied, and the
+    plausible share of each reading kept, in the order returned."""
     totals = [Plausibility() for _ in layouts]
     for value in values:
         totals = [total + value_plausibility(value, layout) for total, layout in zip(totals, layouts)]
     scores = [total.score for total in totals]
-    evidence = {"keys_sampled": len(values), "scores": [None if s is None else round(s, 4) for s in scores]}
+    evidence = {"keys_sampled": len(values), "readings_considered": len(layouts)}
     if any(score is None for score in scores):
-        evidence["rule"] = "no non-zero bytes to judge by"
-        return list(range(len(layouts))), evidence
-    best = max(range(len(layouts)), key=lambda i: scores[i])
-    close = [i for i in range(len(layouts)) if scores[best] - scores[i] < MARGIN]
+        return list(range(len(layouts))), {**evidence, "rule": "no non-zero bytes to judge by"}
+    ranked = sorted(range(len(layouts)), key=lambda i: -scores[i])
+    best = ranked[0]
+    if scores[best] >= PERFECT:  # a reading decodes cleanly: any that does not is out
+        close = [i for i in ranked if scores[i] >= PERFECT]
+    else:
+        close = [i for i in ranked if scores[best] - scores[i] < MARGIN]
+    kept, rule = close, "the bytes cannot tell these readings apart"
     if len(close) == 1:
-        runner_up = max(score for i, score in enumerate(scores) if i != best)
-        evidence.update(rule="most plausible", margin=round(scores[best] - runner_up, 4))
-        return [best], evidence
-    if len({_boundaries(layouts[i]) for i in close}) == 1:
+        kept, rule = close, "most plausible"
+        evidence["margin"] = round(scores[best] - max((scores[i] for i in ranked[1:]), default=0.0), 4)
+    elif len({_boundaries(layouts[i]) for i in close}) == 1:
         perfect = [i for i in close if scores[i] >= PERFECT]
         most = max((_elements(layouts[i]) for i in perfect), default=None)
         narrowest = [i for i in perfect if _elements(layouts[i]) == most]
         if len(narrowest) == 1:
-            evidence.update(rule="tie on the same boundaries: the narrowest dtype that decodes cleanly",
-                            tied=sorted(close))
-            return narrowest, evidence
-    evidence.update(rule="the bytes cannot tell these readings apart", tied=sorted(close))
-    return sorted(close, key=lambda i: -scores[i]), evidence
+            kept, rule = narrowest, "tie on the same boundaries: the narrowest dtype that decodes cleanly"
+            evidence["tied"] = len(close)
+    evidence.update(rule=rule, scores=[round(scores[i], 4) for i in kept])
+    return kept, evidence
 
 
 def combine_readings(primary: KeyRecord, others: list[KeyRecord]) -> KeyRecord:
@@ -75,11 +79,11 @@ def combine_readings(primary: KeyRecord, others: list[KeyRecord]) -> KeyRecord:
     withheld = sorted({verdict for record in every for verdict in record.verdicts} - set(held))
     if not withheld:
         return primary
+    by_reading = [sorted(record.verdicts) for record in every]
     primary.regions = None
     for verdict in withheld:
         primary.evidence.pop(_EVIDENCE.get(verdict, verdict.lower()), None)
     primary.verdicts = held + [Verdict.AMBIGUOUS_LAYOUT]
-    primary.evidence["ambiguous_layout"] = {
-        "withheld": withheld, "readings": len(every),
-        "verdicts_by_reading": [sorted(record.verdicts) for record in every]}
+    primary.evidence["ambiguous_layout"] = {"withheld": withheld, "readings": len(every),
+                                            "verdicts_by_reading": by_reading}
     return primary

@@ -95,6 +95,7 @@ def _candidates(request: LayoutRequest) -> Iterator[dict]:
 class GroupSizes:
     keys: int = 0
     sizes: Counter = field(default_factory=Counter)
+    max_tp_rank: int = 0  # a key of tp_rank r proves a TP size above r
 
     @property
     def dominant(self) -> int:
@@ -113,6 +114,9 @@ def observed_sizes(keys: Iterable) -> dict[tuple[str, int], GroupSizes]:
         slot = groups[(fields["model"], fields.get("group", 0))]
         slot.keys += 1
         slot.sizes[key.size] += 1
+        rank = fields.get("tp_rank")
+        if isinstance(rank, int) and rank > slot.max_tp_rank:
+            slot.max_tp_rank = rank
     return dict(groups)
 
 
@@ -176,13 +180,26 @@ class Inference:
     readings: dict[tuple[str, int | None], list[Reading]] = field(default_factory=dict)
 
 
-def _fitting_candidates(request: LayoutRequest, sizes: dict[int, int], limit: int):
-    """(changes, layouts, score) of every distinct candidate, most likely first; score: how many
-    groups' dominant sizes the layouts fit."""
-    seen_signatures = set()
+def _merged(settings: list[dict]) -> dict:
+    """Settings that give identical bytes: each setting's value, or every value that would
+    (``"platform": ["cuda", "cpu"]`` when the bytes cannot say which platform wrote them)."""
+    merged = {}
+    for name in settings[0]:
+        values = list(dict.fromkeys(setting[name] for setting in settings))
+        merged[name] = values[0] if len(values) == 1 else values
+    return merged
+
+
+def _fitting_candidates(request: LayoutRequest, sizes: dict[int, int], least_tp: int, limit: int):
+    """[changes that give identical bytes, layouts, score] of every distinct candidate, most
+    likely first; score: how many groups' dominant sizes the layouts fit. TP sizes below
+    `least_tp` (a key of that rank exists) are not candidates unless the operator gave one."""
+    by_signature: dict[tuple, list] = {}
     for count, changes in enumerate(_candidates(request)):
         if count >= limit:
             break
+        if not request.tp_given and changes["tp_size"] < least_tp:
+            continue
         if request.block_size is None:
             changes = _attention_block_fit(request, changes, sizes) or changes
         try:
@@ -190,10 +207,12 @@ def _fitting_candidates(request: LayoutRequest, sizes: dict[int, int], limit: in
         except LayoutError:
             continue
         signature = tuple((layout.group, reading_signature(layout)) for layout in layouts)
-        if signature in seen_signatures:
+        if signature in by_signature:
+            by_signature[signature][0].append(changes)
             continue
-        seen_signatures.add(signature)
-        yield changes, layouts, sum(1 for layout in layouts if sizes.get(layout.group) == layout.size)
+        score = sum(1 for layout in layouts if sizes.get(layout.group) == layout.size)
+        by_signature[signature] = [[changes], layouts, score]
+    return list(by_signature.values())
 
 
 def infer_layouts(request: LayoutRequest, observed: dict[tuple[str, int], GroupSizes],
@@ -208,7 +227,8 @@ def infer_layouts(request: LayoutRequest, observed: dict[tuple[str, int], GroupS
         if configured is None:
             request.layouts()  # raise the operator's error: nothing to infer from
         return Inference(configured, [])
-    candidates = list(_fitting_candidates(request, sizes, limit))
+    least_tp = 1 + max(seen.max_tp_rank for (model, _), seen in observed.items() if model == request.name)
+    candidates = _fitting_candidates(request, sizes, least_tp, limit)
     if not candidates:
         raise LayoutError(f"{request.name}: no layout of vLLM's candidates can be built from its config")
     best_score = max(score for _, _, score in candidates)
@@ -216,14 +236,14 @@ def infer_layouts(request: LayoutRequest, observed: dict[tuple[str, int], GroupS
     best_changes, best = fitting[0]
     as_configured = configured is not None and (
         [reading_signature(layout) for layout in configured] == [reading_signature(layout) for layout in best])
-    readings: dict[int | None, list[Reading]] = defaultdict(list)
+    found: dict[int | None, dict[tuple, tuple[Layout, list[dict]]]] = defaultdict(dict)
     for changes, layouts in fitting:
         for layout in layouts:
-            if sizes.get(layout.group) != layout.size:
-                continue
-            known = {reading_signature(reading.layout) for reading in readings[layout.group]}
-            if reading_signature(layout) not in known:
-                readings[layout.group].append(Reading(layout, request.described(**changes)))
+            if sizes.get(layout.group) == layout.size:
+                _, settings = found[layout.group].setdefault(reading_signature(layout), (layout, []))
+                settings += [request.described(**change) for change in changes]
+    readings = {group: [Reading(layout, _merged(settings)) for layout, settings in by_signature.values()]
+                for group, by_signature in found.items()}
     rows = []
     by_group = {layout.group: layout for layout in best}
     for (model, group), seen in sorted(observed.items()):
@@ -237,7 +257,8 @@ def infer_layouts(request: LayoutRequest, observed: dict[tuple[str, int], GroupS
         row = {"model": model, "group": group, "keys": seen.keys, "dominant_size": seen.dominant,
                "layout_size": None if layout is None else layout.size, "status": status,
                "from": f"{seen.sizes[seen.dominant]} of {seen.keys} keys of {seen.dominant:,} B",
-               "assumed": request.described(**best_changes)}
+               "assumed": choices[0].assumed if choices else _merged([request.described(**change)
+                                                                      for change in best_changes])}
         if status == "ambiguous":
             row["candidates"] = [describe_reading(reading) for reading in choices]
             row["settle_with"] = settling_flags(choices) + [MANIFEST_FLAG]

@@ -15,9 +15,14 @@ from prometheus_client import CollectorRegistry, Gauge, pushadd_to_gateway, writ
 
 from audit.errors import AuditError
 from audit.judge.coverage import REASONS
-from audit.records import FINDINGS, Report
+from audit.records import FINDINGS, SEVERITY, Report
 
 LAST_SUCCESS = "mooncake_audit_last_success_timestamp_seconds"
+
+
+def severity_label(verdict: str) -> str:
+    """A verdict's severity as a label (IDENTITY_SUSPECT: its worst; the per-key severity is exact)."""
+    return str(SEVERITY.get(verdict, "none"))
 
 
 def _previous_success(prom_file: Path | None) -> float | None:
@@ -54,12 +59,16 @@ def report_registry(report: Report, previous_success: float | None) -> Collector
               summary["chunks"]["members_missing"])
     if "coverage" in summary:
         _coverage_gauges(registry, summary["coverage"])
-    by_verdict = Gauge("mooncake_audit_verdict_keys", "Keys per verdict in the last run.", ["verdict"],
-                       registry=registry)
+    by_verdict = Gauge("mooncake_audit_verdict_keys", "Keys per verdict in the last run (severity: the verdict's; "
+                       "none for what is not a finding).", ["verdict", "severity"], registry=registry)
     for verdict in sorted(FINDINGS):
-        by_verdict.labels(verdict=verdict).set(summary["verdicts"].get(verdict, 0))
+        by_verdict.labels(verdict=verdict, severity=severity_label(verdict)).set(summary["verdicts"].get(verdict, 0))
     for verdict, count in summary["verdicts"].items():
-        by_verdict.labels(verdict=verdict).set(count)
+        by_verdict.labels(verdict=verdict, severity=severity_label(verdict)).set(count)
+    by_severity = Gauge("mooncake_audit_severity_keys", "Keys whose worst finding has this severity, last run.",
+                        ["severity"], registry=registry)
+    for severity, count in summary["severities"].items():
+        by_severity.labels(severity=severity).set(count)
     success = time.time() if summary["complete"] else previous_success
     if success is not None:
         Gauge(LAST_SUCCESS, "When a run last read every selected key.", registry=registry).set(success)

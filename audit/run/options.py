@@ -38,6 +38,7 @@ class ScanOptions:
     shard_mb: int = 1024                      # bytes per Ray task
     tenants: tuple[str, ...] = ()             # other tenants to audit, or "all" (docs/coverage.md)
     key_files: tuple[Path, ...] = ()          # key sources naming their keys: key lists, reports, snapshots
+    fail_on: str = "error"                    # the least severity that exits 1 (docs/verdicts.md#severity)
 
     def scope(self, settings: Settings) -> dict:
         """What a checkpoint belongs to: resuming another scan's checkpoint would mix reports."""

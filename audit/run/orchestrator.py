@@ -37,7 +37,7 @@ from audit.sources.census import Census
 from audit.readers.throttle import ThrottledReader
 
 
-def _verify_writer_checksum(options: ScanOptions) -> None:
+def enable_writer_checksum(options: ScanOptions) -> None:
     """Mooncake's client reads MOONCAKE_STORE_CHECKSUM once per process, at its first read: it
     verifies the CRC-64 a writer stored (when the writer had it on) on full-object lease reads."""
     if options.read_mode != "lease":
@@ -177,7 +177,7 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
     admin = AdminClient(settings.admin)
     admin.health()
     if options.verify_writer_checksum:
-        _verify_writer_checksum(options)
+        enable_writer_checksum(options)
     store = _StoreWhenNeeded(settings, closers)
     ray_scan = _connect_ray(settings, options, closers) if options.ray is not None else None
     context = {
@@ -262,7 +262,8 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
     report = merge_records(records, context=context, keys_listed=max(keys_listed, len(records)),
                            keys_selected=max(keys_selected, len(records)), interrupted=interrupted,
                            duration_s=duration_s, chunks=chunks, census=census,
-                           replication=replication_from({r.name: r.config for r in options.plan.requests}))
+                           replication=replication_from({r.name: r.config for r in options.plan.requests}),
+                           fail_on=options.fail_on)
     if evidence is not None:
         evidence.finish(report)
     return report

@@ -63,8 +63,10 @@ def test_a_dropped_tp_rank_flags_its_chunk(publisher, cli_args, namespace):
     values = hybrid_producer(namespace)
     del values[key_of(namespace, 5, 0, 1)]
     code, document = _publish_and_scan(publisher, cli_args, namespace, values)
-    assert code == 1
+    assert code == 0  # a warning: exit 1 only with --fail-on warning
     assert _flagged(document) == {key_of(namespace, 5, 0, 0): ["INCOMPLETE_CHUNK"]}
+    assert by_key(document)[key_of(namespace, 5, 0, 0)]["severity"] == "warning"
+    assert document["summary"]["severities"] == {"error": 0, "warning": 1}
     evidence = by_key(document)[key_of(namespace, 5, 0, 0)]["evidence"]["incomplete_chunk"]
     assert evidence == {"members_missing": 1, "missing": [{"group": 0, "tp_rank": 1, "pcp": 0, "dcp": 0, "pp_rank": 0}]}
     chunks = document["summary"]["chunks"]
@@ -77,7 +79,7 @@ def test_a_dropped_state_group_flags_its_chunk_and_absent_groups_elsewhere_do_no
         del values[key_of(namespace, 7, 2, tp_rank)]
     code, document = _publish_and_scan(publisher, cli_args, namespace, values)
     flagged = {key_of(namespace, 7, group, tp_rank) for group in (0, 1) for tp_rank in (0, 1)}
-    assert code == 1 and _flagged(document) == {key: ["INCOMPLETE_CHUNK"] for key in flagged}
+    assert code == 0 and _flagged(document) == {key: ["INCOMPLETE_CHUNK"] for key in flagged}
     missing = by_key(document)[key_of(namespace, 7, 1, 0)]["evidence"]["incomplete_chunk"]["missing"]
     assert [(m["group"], m["tp_rank"]) for m in missing] == [(2, 0), (2, 1)]
 
@@ -90,7 +92,7 @@ def test_a_dropped_sidecar_flags_its_companion(publisher, cli_args, namespace):
               for page in pages for part in ("k", "v")}
     del values[f"{namespace}tiny_{pages[4]}_0_v"]
     code, document = _publish_and_scan(publisher, cli_args, namespace, values)
-    assert code == 1 and _flagged(document) == {f"{namespace}tiny_{pages[4]}_0_k": ["INCOMPLETE_CHUNK"]}
+    assert code == 0 and _flagged(document) == {f"{namespace}tiny_{pages[4]}_0_k": ["INCOMPLETE_CHUNK"]}
     missing = by_key(document)[f"{namespace}tiny_{pages[4]}_0_k"]["evidence"]["incomplete_chunk"]["missing"]
     assert missing == [{"part": "v", "tp_rank": 0}]
 
@@ -103,7 +105,7 @@ def test_two_dtypes_under_one_name_are_identity_suspects(publisher, cli_args, na
              for group in (1, 2) for tp_rank in (0, 1)}
     values.update(other)
     code, document = _publish_and_scan(publisher, cli_args, namespace, values)
-    assert code == 1 and _flagged(document) == {key: ["IDENTITY_SUSPECT"] for key in other}
+    assert code == 0 and _flagged(document) == {key: ["IDENTITY_SUSPECT"] for key in other}  # size outliers: warnings
     outlier = by_key(document)[key_of(namespace, 3, 1, 0)]["evidence"]["identity"]["size_outlier"]
     assert outlier == {"size": 12288, "dominant_size": 6144, "keys_with_dominant_size": 11, "keys": 12}
 
@@ -114,6 +116,7 @@ def test_a_shard_stored_under_another_rank_is_an_identity_suspect(publisher, cli
     code, document = _publish_and_scan(publisher, cli_args, namespace, values)
     pair = {key_of(namespace, 9, 0, 0), key_of(namespace, 9, 0, 1)}
     assert code == 1 and _flagged(document) == {key: ["SHARED_CONTENT", "IDENTITY_SUSPECT"] for key in pair}
+    assert {by_key(document)[key]["severity"] for key in pair} == {"error"}  # the bytes show the mixup
     mixup = by_key(document)[key_of(namespace, 9, 0, 1)]["evidence"]["identity"]["rank_mixup"]
     assert mixup == {"same_bytes_as": [key_of(namespace, 9, 0, 0)]}
 
@@ -142,13 +145,14 @@ def test_chunk_verdicts_reach_metrics_html_explain_and_purge(publisher, cli_args
         publisher.put(key, value)
     report, prom, page = tmp_path / "report.json", tmp_path / "audit.prom", tmp_path / "report.html"
     result = run_cli("check", *cli_args, "--prefix", namespace, "--format", "json", "--output", str(report),
-                     "--prom-file", str(prom), "--no-progress")
+                     "--prom-file", str(prom), "--no-progress", "--fail-on", "warning")
     assert result.exit_code == 1, result.output
     metrics = prom.read_text()
     assert 'mooncake_audit_chunks{state="incomplete"} 1.0' in metrics
     assert 'mooncake_audit_chunks{state="complete"} 47.0' in metrics
     assert "mooncake_audit_chunk_members_missing 1.0" in metrics
-    assert 'mooncake_audit_verdict_keys{verdict="INCOMPLETE_CHUNK"} 1.0' in metrics
+    assert 'mooncake_audit_verdict_keys{severity="warning",verdict="INCOMPLETE_CHUNK"} 1.0' in metrics
+    assert 'mooncake_audit_severity_keys{severity="warning"} 1.0' in metrics
 
     assert run_cli("report", str(report), "--html", str(page)).exit_code == 0
     assert "47 complete, 1 incomplete (1 members missing)" in page.read_text()

@@ -46,8 +46,13 @@ def _readings(config, sizes, **request):
     return inference.readings
 
 
+def _says(assumed, value) -> bool:
+    """A reading's setting is one value, or every value that gives the same bytes (a list)."""
+    return assumed == value or (isinstance(assumed, list) and value in assumed)
+
+
 def _reading(readings, **assumed):
-    return next(r for r in readings if all(r.assumed[name] == value for name, value in assumed.items()))
+    return next(r for r in readings if all(_says(r.assumed[name], value) for name, value in assumed.items()))
 
 
 @pytest.mark.parametrize("truth", [{"kv_dtype": "float32"}, {"kv_dtype": "float16"}])
@@ -132,7 +137,8 @@ def test_float32_attention_scanned_with_only_the_config_is_clean(publisher, cli_
     assert (code, report["findings"]) == (0, []), report["findings"][:2]
     (row,) = report["summary"]["layout_inference"]
     assert (row["status"], row["assumed"]["kv_dtype"], row["assumed"]["block_size"]) == ("from_bytes", "float32", 16)
-    assert row["bytes"]["keys_sampled"] == 16 and row["bytes"]["rule"].startswith("tie on the same boundaries")
+    # float32 read as float16 leaves NaN and absurd numbers: only the float32 reading decodes cleanly
+    assert row["bytes"]["keys_sampled"] == 16 and row["bytes"]["rule"] == "most plausible"
     # a real NaN in a float32 page is still found, and an all-zero page still is
     bad = _publish(publisher, namespace + "bad", "llama-f32", 0, [_fill(written, rng, nan_at=1), np.zeros(16_384, np.uint8)])
     code, report = scan_json(cli_args, "--prefix", namespace.rstrip("/"), "--model-config", str(model_dir))

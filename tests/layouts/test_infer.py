@@ -25,8 +25,9 @@ def test_bf16_mamba2_on_cpu_is_inferred_from_sizes():
     assert layouts[0].size == 18_304
     (row,) = rows
     assert row["status"] == "inferred" and row["from"] == "3 of 3 keys of 18,304 B"
+    # CUDA with --mamba-ssm-cache-dtype float32 writes the same bytes: both are named
     assert (row["assumed"]["platform"], row["assumed"]["conv_dtype"], row["assumed"]["ssm_dtype"]) == (
-        "cpu", "bfloat16", "float32")
+        ["cpu", "cuda"], "bfloat16", "float32")
 
 
 def test_a_size_that_fits_several_readings_is_ambiguous_with_its_candidates():
@@ -73,7 +74,7 @@ def test_per_group_and_no_fit():
     request = LayoutRequest(NEMOTRON_TINY, "n")
     layouts, rows = _infer(request, _keys("n", {0: [32_768], 1: [32_768], 2: [32_768]}))
     assert [row["status"] for row in rows] == ["ambiguous"] * 3
-    assert {row["assumed"]["platform"] for row in rows} == {"cpu"}
+    assert all("cpu" in row["assumed"]["platform"] for row in rows)
     _, rows = _infer(request, _keys("n", {0: [12_345]}))
     assert rows[0]["status"] == "no_fit" and rows[0]["layout_size"] == 12_288
 
@@ -104,3 +105,15 @@ def test_plan_fit_sizes(tmp_path):
     # keys of other schemes and Store-TP shards are not counted
     assert observed_sizes([KeyInfo("opaque-key", 5), KeyInfo(vllm_key("m", "ab", store_namespace=(
         "@store_tp:2@store_pp:1@store_format:tp_shared_lbhnc")), 7)]) == {}
+
+
+def test_a_key_of_tp_rank_one_rules_out_tp_one():
+    # n_groups 2 splits over TP 2: TP 2 in float32 has the bytes of TP 1 in bfloat16
+    config = dict(MAMBA2_TINY, dtype="float32", n_groups=2)
+    size = LayoutRequest(config, "m", tp_size=2, model_dtype="float32", ssm_dtype="float32").layouts()[0].size
+    rank0 = infer_layouts(LayoutRequest(config, "m"), observed_sizes(_keys("m", {0: [size]})))
+    assert 1 in {reading.assumed["tp_size"] for reading in rank0.readings[("m", 0)]}
+    both = _keys("m", {0: [size]}) + _keys("m", {0: [size]}, tp_rank=1)
+    ranks = infer_layouts(LayoutRequest(config, "m"), observed_sizes(both))
+    readings = ranks.readings.get(("m", 0)) or []
+    assert all(reading.assumed["tp_size"] != 1 for reading in readings) and ranks.layouts[0].tp_size >= 2

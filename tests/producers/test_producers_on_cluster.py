@@ -106,7 +106,7 @@ def test_a_replicated_head_in_one_chunk_only_is_a_finding(publisher, cli_args, n
     first, second = list(values)[:2]  # chunk 0's workers 0 and 1
     values[second] = values[first]
     _publish(publisher, values)
-    code, document = scan_json(cli_args, "--prefix", namespace)
+    code, document = scan_json(cli_args, "--prefix", namespace, "--fail-on", "warning")  # SHARED_CONTENT: a warning
     assert code == 1 and {r["key"]: r["verdicts"] for r in document["findings"]} == {
         first: ["SHARED_CONTENT"], second: ["SHARED_CONTENT"]}
 
@@ -220,5 +220,6 @@ def test_the_model_config_decides_which_workers_share_a_head(publisher, cli_args
                                   "torch_dtype": "float32"}))
     values = lmcache_prompt(namespace, 14, chunks=1, world=2, replicated=True)
     _publish(publisher, values)
-    found, document = scan_json(cli_args, "--prefix", namespace, "--all", "--model-config", str(config))
+    found, document = scan_json(cli_args, "--prefix", namespace, "--all", "--model-config", str(config),
+                                "--fail-on", "warning")  # SHARED_CONTENT is a warning (docs/verdicts.md#severity)
     assert found == code and {r["key"]: r["verdicts"] for r in document["keys"]} == {key: [verdict] for key in values}

@@ -98,8 +98,9 @@ def test_prom_file_carries_the_numbers_and_keeps_the_last_success(publisher, cli
     assert code == 1
     assert metrics["mooncake_audit_keys_scanned"] == 9 and metrics["mooncake_audit_bytes_scanned"] == 18000
     assert metrics["mooncake_audit_findings"] == 1
-    assert metrics["mooncake_audit_verdict_keys[('verdict', 'ZERO_VALUE')]"] == 1
-    assert metrics["mooncake_audit_verdict_keys[('verdict', 'NULL_BACKED')]"] == 0
+    assert metrics["mooncake_audit_verdict_keys[('severity', 'error'), ('verdict', 'ZERO_VALUE')]"] == 1
+    assert metrics["mooncake_audit_verdict_keys[('severity', 'error'), ('verdict', 'NULL_BACKED')]"] == 0
+    assert metrics["mooncake_audit_severity_keys[('severity', 'error')]"] == 1
     success = metrics["mooncake_audit_last_success_timestamp_seconds"]
     assert abs(success - time.time()) < 60
     # An incomplete run (deadline) rewrites the file but keeps the last success.

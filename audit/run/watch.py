@@ -1,0 +1,279 @@
+"""`watch`: run control for a continuous scrubber over the same scan core as `scan` and `check`.
+
+Each round lists the store, reads the keys never verified (new ones first), then the keys whose last
+verification is older than the period (oldest first, as much as the bandwidth allows in one interval,
+only inside the window), merges the round's records for cross-key verdicts, and commits the verdicts to
+SQLite. Unreachable keys keep their old stamp and are read again next round; a lost master is retried
+with backoff; SIGTERM or SIGINT ends the round in flight between batches and flushes the state.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from audit.blocktables import read_block_tables
+from audit.connection import AdminClient, Settings, open_store
+from audit.errors import AuditError
+from audit.judge.chunks import ChunkIndex
+from audit.judge.merge import merge_records
+from audit.readers.throttle import ThrottledReader
+from audit.records import KeyInfo, KeyRecord, Verdict
+from audit.report.watch_metrics import MetricsServer, WatchMetrics
+from audit.run.options import ScanOptions
+from audit.run.orchestrator import enable_writer_checksum
+from audit.run.reading import after_batch_hook, buffer_bytes, confirm_shared, make_reader, read_values
+from audit.run.scan import scan_keys
+from audit.run.stops import MasterWatch, StopOnSignals
+from audit.run.watch_state import FINDINGS_FILE, WatchState
+from audit.sources.listing import AdminListing
+
+LISTING_SHARE = 0.1      # the listing may take at most this share of the time: the interval stretches
+MAX_BACKOFF_S = 60.0
+
+
+def parse_duration(text: str) -> float:
+    """`90`, `30s`, `15m`, `24h`, `7d`: seconds."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if match is None or float(match.group(1)) <= 0:
+        raise AuditError(f"--period must be a positive duration such as 3600, 30m, 24h or 7d, not {text!r}")
+    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+
+
+def parse_window(text: str) -> tuple[int, int]:
+    """`HH:MM-HH:MM` (local time; may wrap midnight): minutes of the day, start and end."""
+    match = re.fullmatch(r"(\d{1,2}):(\d{2})-(\d{1,2}):(\d{2})", text.strip())
+    if match is None or int(match.group(1)) > 23 or int(match.group(3)) > 23 or int(match.group(2)) > 59 \
+            or int(match.group(4)) > 59:
+        raise AuditError(f"--window must be HH:MM-HH:MM, not {text!r}")
+    h1, m1, h2, m2 = map(int, match.groups())
+    return h1 * 60 + m1, h2 * 60 + m2
+
+
+def in_window(window: tuple[int, int] | None, moment: datetime) -> bool:
+    if window is None:
+        return True
+    start, end = window
+    minute = moment.hour * 60 + moment.minute
+    return start <= minute < end if start <= end else (minute >= start or minute < end)
+
+
+@dataclass
+class WatchOptions:
+    state_dir: Path
+    interval_s: float = 10.0
+    period_s: float = 86400.0
+    window: tuple[int, int] | None = None
+    listen: str = "127.0.0.1:9310"
+    block_tables: tuple[Path, ...] = ()
+    lenient: bool = False
+    listing_share: float = LISTING_SHARE
+    scan: ScanOptions = field(default_factory=ScanOptions)
+
+
+class _RecordFeed:
+    """The recorder's block-table records, re-read when a file grows: a key the producer published
+    into the null block is judged NULL_BACKED the first time it is read."""
+
+    def __init__(self, options: WatchOptions):
+        self.options = options
+        self._seen: tuple = ()
+
+    def refresh(self, plan) -> set[str]:
+        """Re-read the records if a file changed; the keys they name that they did not name before."""
+        if not self.options.block_tables:
+            return set()
+        files = []
+        for path in map(Path, self.options.block_tables):
+            candidates = sorted(path.rglob("*.jsonl*")) if path.is_dir() else [path]
+            files.extend((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in candidates if p.is_file())
+        if tuple(files) == self._seen:
+            return set()
+        before = set(plan.tables.entries) if plan.tables is not None else set()
+        plan.tables = read_block_tables(self.options.block_tables, lenient=self.options.lenient)
+        self._seen = tuple(files)
+        return set(plan.tables.entries) - before
+
+
+class Watcher:
+    def __init__(self, settings: Settings, options: WatchOptions, log: Callable[[str], None]):
+        self.settings = settings
+        self.options = options
+        self.log = log
+        self.scan = options.scan
+        self.key_filter = self.scan.key_filter()
+        self.checker = self.scan.placement.checker()
+        self.admin = AdminClient(settings.admin)
+        self.metrics = WatchMetrics()
+        self.feed = _RecordFeed(options)
+        self._store = None
+        self._fitted_sizes: set[int | None] = set()
+        self._reader = None
+        self._reader_bytes = 0
+        if self.scan.verify_writer_checksum:
+            enable_writer_checksum(self.scan)
+
+    def run(self) -> str:
+        """Until SIGTERM or SIGINT; the signal's name."""
+        state = WatchState(self.options.state_dir)
+        server = None
+        signals = StopOnSignals()
+        try:
+            server = MetricsServer(self.metrics, self.options.listen,
+                                   stale_after_s=max(10 * self.options.interval_s, 300.0))
+            with signals as stop:
+                self._loop(state, stop, signals, server)
+        finally:
+            if server is not None:
+                server.close()
+            state.close()
+            self._close_reader()
+            if self._store is not None:
+                self._store.close()
+        return signals.received or "stopped"
+
+    def _loop(self, state: WatchState, stop: threading.Event, signals: StopOnSignals, server) -> None:
+        backoff = 1.0
+        interval = self.options.interval_s
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                listing_s = self._round(state, stop, signals, interval)
+            except AuditError as error:
+                server.alive()  # the loop is alive, backing off: /healthz is about the process, not the master
+                self._close_reader()  # its transfer engine may not survive a master restart
+                self.log(f"watch: {error}; retrying in {backoff:g} s")
+                stop.wait(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+                continue
+            backoff = 1.0
+            server.alive()
+            interval = max(self.options.interval_s, listing_s / self.options.listing_share)
+            self.metrics.interval.set(interval)
+            self.metrics.interval_stretched.set(int(interval > self.options.interval_s))
+            stop.wait(max(interval - (time.monotonic() - started), 0.0))
+
+    def _round(self, state: WatchState, stop: threading.Event, signals: StopOnSignals, interval: float) -> float:
+        """One listing and the reads it calls for; the listing's seconds."""
+        admin = self.admin
+        try:
+            admin.health()
+        except AuditError:
+            self.metrics.master_up.set(0)
+            raise
+        self.metrics.master_up.set(1)
+        listed_at = time.perf_counter()
+        listing = AdminListing(admin, self.key_filter).list()
+        listing_s = time.perf_counter() - listed_at
+        self.metrics.listing_seconds.set(listing_s)
+        self.metrics.keys_listed.set(len(listing.keys))
+        now = time.time()
+        listed = {key.name: key for key in listing.keys}
+        known = state.known()
+        state.add_new({name: key.size for name, key in listed.items() if name not in known}, now)
+        state.forget(known - listed.keys())
+        state.unverify(self.feed.refresh(self.scan.plan))  # a key named by a new record: judged again now
+        self._fit_layouts(admin, listing.keys)
+        new = [listed[name] for name in state.never_verified() if name in listed]
+        due = []
+        if in_window(self.options.window, datetime.now()):
+            budget = None if self.scan.max_bandwidth is None else self.scan.max_bandwidth * interval
+            due = [listed[name] for name in state.due(now - self.options.period_s, budget) if name in listed]
+        records, earlier, lost = self._read(state, admin, new + due, stop, listing)
+        self._commit(state, records, earlier)  # what was judged before a lost master stands
+        if lost and signals.received is None:
+            stop.clear()  # the master, not an operator, stopped the round: retry with backoff
+            raise AuditError(lost)
+        self.metrics.rounds.inc()
+        self.metrics.last_round.set(time.time())
+        self.metrics.show_state(state.counts(time.time() - self.options.period_s), time.time())
+        return listing_s
+
+    def _fit_layouts(self, admin: AdminClient, keys: list[KeyInfo]) -> None:
+        """As `scan` does before reading, again whenever a size not seen before is listed."""
+        plan = self.scan.plan
+        sizes = {key.size for key in keys}
+        if not (plan.requests or plan.manifests) or sizes <= self._fitted_sizes:
+            return
+        plan.fit_sizes(keys)
+        if plan.readings:
+            samples = plan.reading_samples(keys)
+            plan.decide_readings(read_values(self.settings, admin, self._lease_store(), samples, self.scan), samples)
+        self._fitted_sizes |= sizes
+
+    def _lease_store(self):
+        """The store client lease reads need, set up once; None for peek reads."""
+        if self.scan.read_mode != "lease":
+            return None
+        if self._store is None:
+            self._store = open_store(self.settings)
+        return self._store
+
+    def _reader_for(self, admin: AdminClient, keys: list[KeyInfo]):
+        """One reader for the life of the watcher (a transfer engine and registered buffers are slow to
+        set up), replaced by a larger one only when a round needs more room."""
+        needed = buffer_bytes(keys, self.scan)
+        if self._reader is None or self._reader_bytes < needed:
+            self._close_reader()
+            self._reader = make_reader(self.settings, admin, self._lease_store(), keys, self.scan)
+            self._reader_bytes = needed
+        return self._reader
+
+    def _close_reader(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+    def _read(self, state: WatchState, admin: AdminClient, keys: list[KeyInfo], stop: threading.Event,
+              listing) -> tuple[list[KeyRecord], list[KeyRecord], str | None]:
+        """The round's records, cross-key verdicts included; the earlier rounds' keys whose bytes they
+        share (verdicts revised, not read); why the master stopped the round, if it did."""
+        if not keys:
+            self.metrics.bytes_per_second.set(0)
+            return [], [], None
+        reader = base = self._reader_for(admin, keys)
+        if self.scan.max_bandwidth:
+            reader = ThrottledReader(reader, self.scan.max_bandwidth, stop)
+        watch = MasterWatch(admin, stop)
+        started = time.perf_counter()
+        hook = after_batch_hook(getattr(base, "confirm", None), None, watch)
+        records = list(scan_keys(keys, reader, self.checker, self.scan.plan, stop=stop, on_batch=hook))
+        earlier = state.same_content(records)
+        if hasattr(base, "confirm") and not watch.lost:
+            confirm_shared(records + earlier, base)
+        elapsed = time.perf_counter() - started
+        read_bytes = sum(record.size or 0 for record in records if record.xxh3 is not None)
+        self.metrics.bytes_scanned.inc(read_bytes)
+        self.metrics.bytes_per_second.set(read_bytes / elapsed if elapsed > 0 else 0)
+        merge_records(records + earlier, context={}, keys_listed=len(listing.keys),  # cross-key verdicts
+                      chunks=ChunkIndex.of((key.name, key.size) for key in listing.keys))
+        return records, earlier, watch.lost
+
+    def _commit(self, state: WatchState, records: list[KeyRecord], earlier: list[KeyRecord]) -> None:
+        now = time.time()
+        vanished = {r.key for r in records if Verdict.VANISHED in r.verdicts}
+        raced = {r.key for r in records if Verdict.MOVED in r.verdicts}  # read again next round
+        unreachable = [r for r in records if r.is_incomplete]
+        judged = [r for r in records if not r.is_incomplete and r.key not in vanished | raced]
+        self.metrics.keys_unreachable.set(len(unreachable))
+        state.forget(vanished)
+        first_seen = state.first_seen(r.key for r in judged)
+        for seen in first_seen.values():
+            self.metrics.first_seen_to_verified.observe(max(now - seen, 0.0))
+        state.verified(judged, now, self._append_findings)
+        state.verified(earlier, now, self._append_findings, restamp=False)
+
+    def _append_findings(self, records: list[KeyRecord]) -> None:
+        """One JSON line per new finding, for log shippers (at least once: see WatchState.verified)."""
+        stamp = datetime.now().astimezone().isoformat(timespec="seconds")
+        try:
+            with open(self.options.state_dir / FINDINGS_FILE, "a", encoding="utf-8") as handle:
+                handle.writelines(json.dumps({"detected_at": stamp, **record.to_json()}) + "\n" for record in records)
+        except OSError as error:
+            raise AuditError(f"cannot append to {self.options.state_dir / FINDINGS_FILE}: {error.strerror}") from None
