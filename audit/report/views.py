@@ -43,6 +43,15 @@ def print_explain(document: dict) -> None:
     for row in document.get("layout_inference") or []:
         if row.get("manifest"):
             console.print(inert(f"layout {row['status']}: {row['from']} {row['manifest']}"))
+            continue
+        chosen = row.get("bytes") or {}
+        console.print(inert(f"layout {row['status']}: group {row['group']}, {row['from']}"
+                            + (f"; the bytes: {chosen['rule']}" if chosen.get("rule") else "")))
+        for candidate in row.get("candidates") or ():
+            settings = " ".join(f"{name}={value}" for name, value in candidate["assumed"].items())
+            console.print(inert(f"  candidate: {settings}; padding {candidate['padding_bytes']:,} B"))
+        if row.get("settle_with"):
+            console.print(inert(f"  settle with {' or '.join(row['settle_with'])}"))
     table = Table(show_lines=False)
     for column in ("segment", "region", "dtype", "offset", "length", "zero", "nan", "inf", "xxh3",
                    "min", "max", "mean", "first bytes"):

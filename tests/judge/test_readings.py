@@ -186,3 +186,20 @@ def test_tp_sizes_that_share_a_value_size_are_readings_too():
     rng = np.random.default_rng(6)
     kept, evidence = choose_reading([r.layout for r in readings], [_fill(written.layout, rng) for _ in range(4)])
     assert [readings[i] for i in kept] == [written], evidence
+
+
+def test_explain_names_the_candidates_and_what_the_bytes_said(publisher, cli_args, namespace, tmp_path):
+    from tests.helpers import run_cli
+
+    config = dict(MAMBA2_TINY, dtype="bfloat16")
+    model_dir = _model_dir(tmp_path, "mamba2-e", config)
+    written = _reading(_readings(config, {0: 18_304})[("m", 0)], conv_dtype="bfloat16").layout
+    (key,) = _publish(publisher, namespace, "mamba2-e", 0, [_fill(written, np.random.default_rng(8))])
+    human = run_cli("explain", key, *cli_args, "--model-config", str(model_dir))
+    assert human.exit_code == 0, human.output
+    assert "layout ambiguous" in human.stdout and human.stdout.count("candidate:") == 2
+    assert "settle with --dtype" in human.stdout
+    document = json.loads(run_cli("explain", key, *cli_args, "--model-config", str(model_dir), "--format",
+                                  "json").stdout)
+    (row,) = document["layout_inference"]
+    assert row["status"] == "ambiguous" and row["bytes"]["rule"] == "the bytes cannot tell these readings apart"
