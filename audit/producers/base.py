@@ -6,6 +6,7 @@ questions and never names a producer."""
 from __future__ import annotations
 
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from audit.layouts.model import Layout
@@ -41,7 +42,7 @@ class ValueReading:
     disagreements: tuple[Disagreement, ...] = ()
 
 
-class Producer:
+class Producer(ABC):
     """Defaults for a producer that writes fixed-size pages, no legitimate duplicates, no probes
     and no self-describing values; each producer overrides what it does otherwise."""
 
@@ -50,9 +51,9 @@ class Producer:
     every_part = False    # each chunk holds every part its family shows (one key per layer)
     head_bytes = 0        # the leading bytes `may_describe` looks at
 
+    @abstractmethod
     def parse(self, key: str) -> dict | None:
         """The key's fields, or None when the key is not this producer's."""
-        raise NotImplementedError
 
     def member(self, fields: dict) -> Member | None:
         return None

@@ -104,8 +104,8 @@ class MetricsServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, *args):  # scrapes are not worth a stderr line each
-                pass
+            def log_message(self, *args):
+                """Silent: scrapes are not worth a stderr line each."""
 
         try:
             self.httpd = ThreadingHTTPServer((host.strip("[]"), int(port)), Handler)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import collections
 import json
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -43,7 +42,7 @@ import pytest
 from tests.e2e import harness
 from tests.e2e.conftest import long_prompts, writer_prompts
 from tests.e2e.models import ALL_MODELS
-from tests.e2e.test_vllm_e2e import Produced, _observe, _produce, _scan_clean, clean
+from tests.e2e.test_vllm_e2e import Produced, _produce, _scan_clean, clean
 
 OBSERVED = Path(__file__).with_name("served_dtypes_observed.json")
 FLOAT32_MODELS = ["llama-tiny", "nemotron-h-tiny", "falcon-h1-tiny", "lfm2-tiny"]
@@ -82,29 +81,9 @@ def served_auto(session, models_dir, model: str) -> Produced:
 
 
 def new_family(session, models_dir, model: str, tp: int = 1) -> Produced:
-    """A model of NEW_FAMILY_MODELS (not in MODELS, so made here rather than through `_produce`)."""
-    name = f"family-{model}-tp{tp}"
-    if name in session.failures:
-        pytest.fail(f"engine {name} failed earlier in this session:\n{session.failures[name]}")
-    if name in session.runs:
-        return session.runs[name]
-    spec = ALL_MODELS[model]
-    cluster, config = session.cluster(name)
-    work = session.root / name
-    try:
-        run = harness.run_engine(models_dir / model, config, _batches(model), work, mamba=spec.mamba,
-                                 block_size=spec.block_size, dtype=spec.serve_dtype, tp=tp, max_tokens=4,
-                                 record_dir=work / "records", name="engine",
-                                 drain=tp > 1, timeout_s=500)
-    except (harness.EngineFailed, subprocess.TimeoutExpired) as error:
-        session.failures[name] = str(error)
-        raise
-    keys = harness.all_keys(cluster)
-    produced = Produced(name, run, cluster, config, models_dir / model, work / "records", keys,
-                        harness.key_sizes(cluster, keys))
-    session.runs[name] = produced
-    _observe(session, produced, spec)
-    return produced
+    """A model of NEW_FAMILY_MODELS at TP `tp`, on a fresh cluster of its own."""
+    return _produce(session, models_dir, f"family-{model}-tp{tp}", model, _batches(model), tp=tp, max_tokens=4,
+                    drain=tp > 1, timeout_s=500)
 
 
 def bug_float32(session, models_dir) -> Produced:

@@ -19,7 +19,7 @@ import pytest
 
 from tests.e2e import harness
 from tests.e2e.conftest import exact_prefix_prompts, long_prompts, reader_prompts, writer_prompts
-from tests.e2e.models import MODELS
+from tests.e2e.models import ALL_MODELS, MODELS
 
 RUNNABLE = [name for name, model in MODELS.items() if model.runs_on_cpu]
 MULTIPROCESS_MODEL = "nemotron-h-tiny"  # (b) in multi-process mode: a hybrid, 3 groups, one run
@@ -49,7 +49,7 @@ def _produce(session, models_dir: Path, name: str, model: str, batches, *, clust
         pytest.fail(f"engine {name} failed earlier in this session:\n{session.failures[name]}")
     if name in session.runs:
         return session.runs[name]
-    spec = MODELS[model]
+    spec = ALL_MODELS[model]
     if cluster_from is None:
         cluster, config = session.cluster(name)
     else:

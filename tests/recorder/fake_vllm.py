@@ -42,7 +42,7 @@ class MambaAttentionBackendEnum(enum.Enum):
 
 
 class KVCacheSpec:
-    pass
+    """The base of vLLM's specs: the manifest writer tells them apart by class."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class AttentionSpec(KVCacheSpec):
 
 
 class FullAttentionSpec(AttentionSpec):
-    pass
+    """Full attention, as vLLM names it (the kind the manifest records)."""
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,7 @@ def _fake_worker_module(monkeypatch, register_kv_caches):
     module = types.ModuleType(WORKER_MODULE)
 
     class MooncakeStoreWorker:
-        pass
+        """Stands in for vLLM's worker class; the test gives it `register_kv_caches`."""
 
     MooncakeStoreWorker.register_kv_caches = register_kv_caches
     module.MooncakeStoreWorker = MooncakeStoreWorker

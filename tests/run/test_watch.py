@@ -53,13 +53,13 @@ class _Watcher:
         last = {}
         while time.monotonic() < deadline:
             assert self.process.poll() is None, self.process.stderr.read().decode()
+            time.sleep(0.1)
             try:
                 last = self.metrics()
-                if condition(last):
-                    return last
-            except OSError:
-                pass
-            time.sleep(0.1)
+            except OSError:  # the listener is not up yet
+                continue
+            if condition(last):
+                return last
         raise AssertionError(f"timed out; last metrics: { {k: v for k, v in last.items() if 'watch' in k} }")
 
     def stop(self, sig=signal.SIGTERM) -> int:
