@@ -35,3 +35,21 @@ def test_warnings_fail_the_run_only_when_asked():
     assert exit_code_for(warnings_only, incomplete=True) == 3
     assert exit_code_for(warnings_only, incomplete=False, fail_on="warning") == 1
     assert exit_code_for({"error": 1, "warning": 0}, incomplete=True) == 1
+
+
+def test_the_human_headline_follows_the_exit_code(publisher, cli_args, namespace):
+    """Identical non-zero bytes under two keys are a warning: the run exits 0 and says so, and
+    --fail-on warning makes the same store a failing one."""
+    import numpy as np
+
+    from tests.helpers import run_cli
+
+    shared = np.random.default_rng(11).integers(1, 256, 4096, dtype=np.uint8).tobytes()
+    publisher.put(namespace + "a", shared)
+    publisher.put(namespace + "b", shared)
+    warned = run_cli("scan", *cli_args, "--prefix", namespace, "--no-progress")
+    assert warned.exit_code == 0, warned.output
+    assert warned.stdout.splitlines()[0] == ("NO ERRORS: every key read; 2 key(s) with warnings only "
+                                             "(they fail the run with --fail-on warning)")
+    failing = run_cli("scan", *cli_args, "--prefix", namespace, "--no-progress", "--fail-on", "warning")
+    assert failing.exit_code == 1 and failing.stdout.splitlines()[0] == "FINDINGS: 2 key(s) flagged"

@@ -16,18 +16,25 @@ from audit.report.output import ReportOutput, WholeReportSink
 
 
 def _verdict_line(summary: dict) -> str:
-    if summary["findings"]:
+    """The headline, in step with the exit code: errors fail the run, warnings only under
+    --fail-on warning; what was not audited, or not judged fully, makes it incomplete."""
+    if summary["exit_code"] == 1:
         return f"FINDINGS: {summary['findings']} key(s) flagged"
-    if summary.get("keys_not_fully_judged") and summary["complete"] is False and not summary["keys_unread"]:
-        return (f"INCOMPLETE: no findings, but {summary['keys_not_fully_judged']} key(s) not judged fully: "
-                f"their layout is ambiguous (see below)")
+    none = "no errors" if summary["findings"] else "no findings"
+    warned = (f"; {summary['findings']} key(s) with warnings only (they fail the run with --fail-on warning)"
+              if summary["findings"] else "")
     coverage = summary.get("coverage")
     if coverage is not None and not coverage["complete"]:
         missed = missed_keys(coverage)
-        return (f"INCOMPLETE: no findings, but {'some' if missed is None else f'{missed:,}'} key(s) the master "
-                f"holds were not audited (see below)")
+        return (f"INCOMPLETE: {none}, but {'some' if missed is None else f'{missed:,}'} key(s) the master "
+                f"holds were not audited (see below){warned}")
+    if summary.get("keys_not_fully_judged") and not summary["keys_unread"]:
+        return (f"INCOMPLETE: {none}, but {summary['keys_not_fully_judged']} key(s) not judged fully: "
+                f"their layout is ambiguous (see below){warned}")
     if not summary["complete"]:
-        return "INCOMPLETE: no findings, but not every key could be read"
+        return f"INCOMPLETE: {none}, but not every key could be read{warned}"
+    if summary["findings"]:
+        return f"NO ERRORS: every key read{warned}"
     return "CLEAN: every key read, no findings"
 
 
