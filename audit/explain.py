@@ -46,10 +46,14 @@ def _chunk(admin: AdminClient, key: str) -> dict | None:
     member = member_of(parse_key(key))
     if member is None:
         return None
-    family = [name for name in admin.all_keys_body().decode(errors="replace").split("\n")
-              if name and (other := member_of(parse_key(name))) is not None and other.family == member.family]
+    family, present = [], []
+    for name in admin.all_keys_body().decode(errors="replace").split("\n"):
+        if name and (other := member_of(parse_key(name))) is not None and other.family == member.family:
+            family.append(name)
+            if other.chunk == member.chunk:
+                present.append(name)
     index = ChunkIndex.of((name, None) for name in family)
-    present = sorted(name for name, other in index.members.items() if other.chunk == member.chunk)
+    present.sort()
     return {"members_present": present, "missing": index.judge().missing.get(key, [])}
 
 

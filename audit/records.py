@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -86,6 +87,7 @@ class KeyInfo:
     fields: dict | None = None
     replicas: list[dict] = field(default_factory=list)
     tenant: str | None = None  # the Mooncake tenant holding it; None: the default tenant (the listing's)
+    ordinal: int | None = None  # its row in the listing's KeyTable, where it came from one
 
     def parsed_fields(self) -> dict:
         return self.fields if self.fields is not None else parse_key(self.name)
@@ -106,6 +108,7 @@ class KeyRecord:
     layout: str | None = None           # which layout described the value, if any
     regions: list[dict] | None = None   # per-region results (findings, or every key with --all)
     tenant: str | None = None           # the Mooncake tenant it was read in; None: the default tenant
+    ordinal: int | None = None          # its key's row in the listing's KeyTable (not in the report)
 
     def parsed_fields(self) -> dict:
         return self.fields if self.fields is not None else parse_key(self.key)
@@ -167,13 +170,14 @@ class Report:
     """The merged outcome of a scan: a summary plus every key's record."""
 
     summary: dict
-    records: list[KeyRecord]
+    records: Sequence[KeyRecord]  # every record; a RecordLedger holds the plain ones compactly
     shared_groups: list[dict]
     expected_duplicates: list[dict] = field(default_factory=list)  # groups of EXPECTED_DUPLICATE keys
 
     @property
     def findings(self) -> list[KeyRecord]:
-        return [record for record in self.records if record.is_finding]
+        findings = getattr(self.records, "findings", None)  # a ledger knows them without a walk
+        return findings() if findings is not None else [record for record in self.records if record.is_finding]
 
     @property
     def exit_code(self) -> int:

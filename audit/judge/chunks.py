@@ -25,9 +25,13 @@ IDENTITY_SUSPECT. Two revisions with identical shapes cannot be told apart by si
 
 from __future__ import annotations
 
+import re
+from array import array
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from audit.judge.values import IDENTITY_EVIDENCE
 from audit.producers import Member, member_of, parse_key, producer_of
@@ -37,24 +41,96 @@ COMPANION_SHARE = 0.9
 COMPANION_MIN_CHUNKS = 8
 DOMINANT_SHARE = 0.5    # a size is the family's own only where more than half of its keys have it
 MISSING_EXAMPLES = 8    # missing members named in each record's evidence
+TEMPLATES = 4096        # distinct key shapes whose parse is remembered (vLLM: one per model, rank, group)
+_HEX = re.compile(r"[0-9a-fA-F]+")
+
+
+class _Members:
+    """Key name -> Member, parsing each key shape once: a vLLM key is its shape (everything before
+    the last '@') plus a chunk hash, and the shape alone decides family, part and rank."""
+
+    def __init__(self):
+        self._shapes: dict[str, Member | None] = {}
+
+    def __call__(self, name: str) -> Member | None:
+        shape, _, chunk_hash = name.rpartition("@")
+        if shape and _HEX.fullmatch(chunk_hash):
+            template = self._shapes.get(shape, False)
+            if template is False:
+                fields = parse_key(name)
+                template = member_of(fields) if fields.get("chunk_hash") == chunk_hash and fields.get(
+                    "scheme") == "vllm" else None
+                if len(self._shapes) < TEMPLATES:
+                    self._shapes[shape] = template
+                if template is None:
+                    return member_of(fields)
+            if template is not None:
+                return Member(template.family, (*template.family, chunk_hash), template.part, template.rank,
+                              template.world)
+        return member_of(parse_key(name))
 
 
 @dataclass
 class ChunkIndex:
-    """What the listing says about chunks: built once from every listed key's name and size."""
+    """What the listing says about chunks, built once from every listed key's name and size and
+    held in fixed-width columns (about 24 B a key): a row per key of a producer's chunk, naming
+    its chunk (a 64-bit hash of it), its slot (family, part, rank: few distinct ones) and size.
+    `names` gives a row's key name back (a KeyTable's, or the names given)."""
 
-    members: dict[str, Member] = field(default_factory=dict)
-    sizes: dict[str, int | None] = field(default_factory=dict)
+    rows: array = field(default_factory=lambda: array("q"))     # the key's ordinal (its position given)
+    chunk: array = field(default_factory=lambda: array("q"))    # hash((family..., chunk hash))
+    slot: array = field(default_factory=lambda: array("l"))     # index into slots
+    size: array = field(default_factory=lambda: array("q"))     # -1: unknown
+    slots: list[tuple] = field(default_factory=list)            # (family, part, rank, world)
+    names: object = None                                        # ordinal -> key name
+    table: object = None                                        # the KeyTable it was built from, if one
 
     @classmethod
     def of(cls, keys: Iterable[tuple[str, int | None]]) -> ChunkIndex:
-        index = cls()
-        for name, size in keys:
-            member = member_of(parse_key(name))
-            if member is not None:
-                index.members[name] = member
-                index.sizes[name] = size
+        """From (name, size) pairs; a row's ordinal is its position among them."""
+        names: list[str] = []
+        index = cls._build(((ordinal, name, size) for ordinal, (name, size) in enumerate(keys)), names)
+        index.names = names.__getitem__
         return index
+
+    @classmethod
+    def of_table(cls, table) -> ChunkIndex:
+        """From a KeyTable: ordinals are its rows, names stay in the table."""
+        index = cls._build(((row, table.name(row), table.size(row)) for row in table.rows()), None)
+        index.names = table.name
+        index.table = table
+        return index
+
+    @classmethod
+    def _build(cls, keys, names: list | None) -> ChunkIndex:
+        index = cls()
+        members = _Members()
+        slot_ids: dict[tuple, int] = {}
+        for ordinal, name, size in keys:
+            if names is not None:
+                names.append(name)
+            member = members(name)
+            if member is None:
+                continue
+            slot = (member.family, member.part, member.rank, member.world)
+            if (slot_id := slot_ids.get(slot)) is None:
+                slot_id = slot_ids[slot] = len(index.slots)
+                index.slots.append(slot)
+            index.rows.append(ordinal)
+            index.chunk.append(hash(member.chunk))
+            index.slot.append(slot_id)
+            index.size.append(-1 if size is None else size)
+        return index
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def member(self, ordinal: int) -> Member | None:
+        """The member at a key's ordinal (parsed again: only for the few keys a verdict names)."""
+        return member_of(parse_key(self.names(ordinal)))
+
+    def nbytes(self) -> int:
+        return sum(column.itemsize * len(column) for column in (self.rows, self.chunk, self.slot, self.size))
 
     def judge(self) -> ChunkJudgement:
         return _judge(self)
@@ -62,124 +138,235 @@ class ChunkIndex:
 
 @dataclass
 class ChunkJudgement:
-    missing: dict[str, list[dict]] = field(default_factory=dict)   # key -> its chunk's missing members
-    outliers: dict[str, dict] = field(default_factory=dict)        # key -> size evidence
+    missing_rows: dict[int, list[dict]] = field(default_factory=dict)  # ordinal -> its chunk's missing members
+    outlier_rows: dict[int, dict] = field(default_factory=dict)        # ordinal -> size evidence
     summary: dict = field(default_factory=dict)
+    names: object = None
+
+    @property
+    def missing(self) -> dict[str, list[dict]]:
+        return {self.names(row): missing for row, missing in self.missing_rows.items()}
+
+    @property
+    def outliers(self) -> dict[str, dict]:
+        return {self.names(row): evidence for row, evidence in self.outlier_rows.items()}
 
 
-def _companions(parts_by_chunk: dict[tuple, set]) -> dict:
-    """part -> the parts published wherever it is, learned from the producer's own chunks: q is
-    a companion of p when q is present in at least COMPANION_SHARE of the chunks holding p (and p
-    is in at least COMPANION_MIN_CHUNKS). It is one-way: a Mamba group's chunks all carry the
-    attention group, while most attention chunks carry no Mamba group."""
-    holding: Counter = Counter()
-    together: Counter = Counter()
-    for parts in parts_by_chunk.values():
-        for part in parts:
-            holding[part] += 1
-            for other in parts:
-                if other != part:
-                    together[(part, other)] += 1
-    companions: dict = defaultdict(set)
-    for (part, other), count in together.items():
-        if holding[part] >= COMPANION_MIN_CHUNKS and count >= COMPANION_SHARE * holding[part]:
-            companions[part].add(other)
+class _Slots:
+    """Per slot id: its family, its part's bit within the family, and its rank as an int (the
+    worker, for producers that name a world size; -1 otherwise)."""
+
+    def __init__(self, slots: list[tuple]):
+        self.families: list[tuple] = []
+        self.parts: list[list] = []                 # family id -> its parts, by bit
+        self.ranks_of: list[list[set]] = []         # family id -> bit -> every rank seen
+        family_ids: dict[tuple, int] = {}
+        part_bits: list[dict] = []
+        self.family = np.zeros(len(slots), dtype=np.int64)
+        self.bit = np.zeros(len(slots), dtype=np.int64)
+        self.rank = np.full(len(slots), -1, dtype=np.int64)
+        for slot_id, (family, part, rank, _) in enumerate(slots):
+            if (family_id := family_ids.get(family)) is None:
+                family_id = family_ids[family] = len(self.families)
+                self.families.append(family)
+                self.parts.append([])
+                self.ranks_of.append([])
+                part_bits.append({})
+            bits = part_bits[family_id]
+            key = repr(part)
+            if key not in bits:
+                bits[key] = len(self.parts[family_id])
+                self.parts[family_id].append(part)
+                self.ranks_of[family_id].append(set())
+            self.family[slot_id] = family_id
+            self.bit[slot_id] = bits[key]
+            self.ranks_of[family_id][bits[key]].add(rank)
+            if len(rank) == 1 and isinstance(rank[0], int) and rank[0] >= 0:
+                self.rank[slot_id] = rank[0]
+        self.words = max(1, max(((len(parts) + 63) // 64 for parts in self.parts), default=1))
+
+
+def _bit(masks: np.ndarray, bit: int) -> np.ndarray:
+    return (masks[:, bit // 64] >> np.uint64(bit % 64)) & np.uint64(1)
+
+
+def _companion_masks(masks: np.ndarray, parts: int, words: int) -> list[np.ndarray]:
+    """bit p -> the mask of the parts published wherever p is (the companions of the module's docstring):
+    q is a companion of p when q is in at least COMPANION_SHARE of the chunks holding p, and p is
+    in at least COMPANION_MIN_CHUNKS. One-way."""
+    present = [_bit(masks, p).astype(bool) for p in range(parts)]
+    companions = []
+    for p in range(parts):
+        mask = np.zeros(words, dtype=np.uint64)
+        holding = int(present[p].sum())
+        if holding >= COMPANION_MIN_CHUNKS:
+            for q in range(parts):
+                if q != p and int((present[p] & present[q]).sum()) >= COMPANION_SHARE * holding:
+                    mask[q // 64] |= np.uint64(1 << (q % 64))
+        companions.append(mask)
     return companions
 
 
 def _judge(index: ChunkIndex) -> ChunkJudgement:
-    judgement = ChunkJudgement()
-    chunks: dict[tuple, dict[object, set]] = defaultdict(lambda: defaultdict(set))  # chunk -> part -> ranks
-    names: dict[tuple, list[str]] = defaultdict(list)
-    ranks_of: dict[tuple, set] = defaultdict(set)  # (family, part) -> every rank seen
-    worlds: dict[tuple, int] = {}
-    sample: dict[tuple, Member] = {}
-    for name, member in index.members.items():
-        chunks[member.chunk][member.part].add(member.rank)
-        names[member.chunk].append(name)
-        ranks_of[(member.family, member.part)].add(member.rank)
-        if member.world is not None:
-            worlds[member.family] = member.world
-        sample.setdefault(member.chunk, member)
-    families: dict[tuple, dict[tuple, set]] = defaultdict(dict)
-    for chunk, parts in chunks.items():
-        families[sample[chunk].family][chunk] = set(parts)
-    companions = {family: _companions(parts) for family, parts in families.items()}
-    parts_seen = {family: set().union(*parts.values()) for family, parts in families.items()}
+    judgement = ChunkJudgement(names=index.names)
+    n = len(index)
+    if n == 0:
+        judgement.summary = {"chunks": 0, "complete": 0, "incomplete": 0, "members_missing": 0, "stores": []}
+        return judgement
+    slots = _Slots(index.slots)
+    chunk = np.frombuffer(index.chunk, dtype=np.int64)
+    slot = np.frombuffer(index.slot, dtype=np.int32 if index.slot.itemsize == 4 else np.int64).astype(np.int64)
+    worlds = np.array([-1 if world is None else world for *_, world in index.slots], dtype=np.int64)
+    order = np.argsort(chunk, kind="stable")
+    sorted_chunk = chunk[order]
+    starts = np.flatnonzero(np.r_[True, sorted_chunk[1:] != sorted_chunk[:-1]])
+    chunks = len(starts)
+    group = np.repeat(np.arange(chunks), np.diff(np.r_[starts, n]))      # chunk number of each sorted row
+    sorted_slot = slot[order]
+    first_slot = sorted_slot[starts]                                     # the chunk's first-listed member
+    chunk_family = slots.family[first_slot]
+    chunk_world = worlds[first_slot]
 
-    incomplete = missing_members = 0
-    for chunk, parts in chunks.items():
-        member = sample[chunk]
-        producer = producer_of(member.family[0])
-        expected_parts = set(parts) | (parts_seen[member.family] if producer.every_part else set())
-        for part in parts:
-            expected_parts |= companions[member.family].get(part, set())
-        missing = []
-        for part in sorted(expected_parts, key=repr):
-            if member.world is not None:
-                expected = {(rank,) for rank in range(member.world)}
-            else:
-                expected = ranks_of[(member.family, part)]
-            for rank in sorted(expected - parts.get(part, set())):
-                missing.append(producer.member_fields(part, rank))
-        if missing:
-            incomplete += 1
-            missing_members += len(missing)
-            for name in names[chunk]:
-                judgement.missing[name] = missing
-    judgement.outliers = _size_outliers(index)
-    judgement.summary = {"chunks": len(chunks), "complete": len(chunks) - incomplete, "incomplete": incomplete,
-                         "members_missing": missing_members, "stores": _store_statistics(index)}
+    words = slots.words
+    bits = slots.bit[sorted_slot]
+    masks = np.zeros((chunks, words), dtype=np.uint64)
+    for word in range(words):
+        in_word = (bits // 64) == word
+        values = np.where(in_word, np.left_shift(np.uint64(1), (bits % 64).astype(np.uint64)), np.uint64(0))
+        masks[:, word] = np.bitwise_or.reduceat(values.astype(np.uint64), starts)
+
+    # distinct (chunk, slot) present, and those whose rank is one the chunk expects
+    pairs = np.unique(group * len(index.slots) + sorted_slot)
+    pair_chunk, pair_slot = pairs // len(index.slots), pairs % len(index.slots)
+    world = chunk_world[pair_chunk]
+    in_expected = (world < 0) | ((slots.rank[pair_slot] >= 0) & (slots.rank[pair_slot] < world))
+    have = np.bincount(pair_chunk, weights=in_expected, minlength=chunks)
+
+    needed = np.zeros(chunks, dtype=np.int64)
+    expected_masks = masks.copy()
+    for family_id, parts in enumerate(slots.parts):
+        in_family = chunk_family == family_id
+        if not in_family.any():
+            continue
+        family_masks = masks[in_family]
+        expected = family_masks.copy()
+        if producer_of(slots.families[family_id][0]).every_part:
+            for p in range(len(parts)):
+                expected[:, p // 64] |= np.uint64(1 << (p % 64))
+        for p, companion in enumerate(_companion_masks(family_masks, len(parts), words)):
+            if companion.any():
+                holds = _bit(family_masks, p).astype(bool)
+                expected[holds] |= companion
+        family_world = chunk_world[in_family]
+        counts = np.zeros(len(family_masks), dtype=np.int64)
+        for p in range(len(parts)):
+            per_part = np.where(family_world >= 0, family_world, len(slots.ranks_of[family_id][p]))
+            counts += _bit(expected, p).astype(np.int64) * per_part
+        needed[in_family] = counts
+        expected_masks[in_family] = expected
+
+    incomplete = np.flatnonzero(have < needed)
+    missing_members = 0
+    for number in incomplete:
+        start = starts[number]
+        stop = starts[number + 1] if number + 1 < chunks else n
+        entries = order[start:stop]
+        missing = _missing(slots, index, entries, expected_masks[number], int(chunk_world[number]))
+        missing_members += len(missing)
+        for entry in entries:
+            judgement.missing_rows[index.rows[entry]] = missing
+    judgement.outlier_rows = _size_outliers(index, slot)
+    judgement.summary = {"chunks": chunks, "complete": chunks - len(incomplete), "incomplete": len(incomplete),
+                         "members_missing": missing_members, "stores": _store_statistics(index, slots, slot)}
     return judgement
 
 
-def _size_outliers(index: ChunkIndex) -> dict[str, dict]:
-    by_slot: dict[tuple, list[str]] = defaultdict(list)
-    for name, member in index.members.items():
-        if producer_of(member.family[0]).fixed_size and index.sizes.get(name):
-            by_slot[(member.family, member.part, member.rank)].append(name)
+def _missing(slots: _Slots, index: ChunkIndex, entries: np.ndarray, expected_mask: np.ndarray,
+             world: int) -> list[dict]:
+    """One incomplete chunk's missing members, as the producer names them."""
+    first = index.slots[index.slot[entries[0]]]
+    family_id = int(slots.family[index.slot[entries[0]]])
+    producer = producer_of(first[0][0])
+    present: dict[int, set] = defaultdict(set)
+    for entry in entries:
+        slot_id = index.slot[entry]
+        present[int(slots.bit[slot_id])].add(index.slots[slot_id][2])
+    parts = slots.parts[family_id]
+    expected = [p for p in range(len(parts)) if int(_bit(expected_mask[None, :], p)[0])]
+    missing = []
+    for p in sorted(expected, key=lambda p: repr(parts[p])):
+        ranks = {(rank,) for rank in range(world)} if world >= 0 else slots.ranks_of[family_id][p]
+        for rank in sorted(ranks - present.get(p, set())):
+            missing.append(producer.member_fields(parts[p], rank))
+    return missing
+
+
+def _size_outliers(index: ChunkIndex, slot: np.ndarray) -> dict[int, dict]:
+    """Within each (family, part, rank) of a fixed-size producer: keys whose size is not the one
+    more than half of them hold."""
+    sizes = np.frombuffer(index.size, dtype=np.int64)
+    fixed = np.array([producer_of(family[0]).fixed_size for family, *_ in index.slots], dtype=bool)
+    considered = fixed[slot] & (sizes > 0)
     outliers = {}
-    for names in by_slot.values():
-        sizes = Counter(index.sizes[name] for name in names)
-        (dominant, count), = sizes.most_common(1)
-        if len(sizes) < 2 or count <= DOMINANT_SHARE * len(names):
-            continue  # one size, or no size a majority holds (nothing to call the producer's own)
-        for name in names:
-            if index.sizes[name] != dominant:
-                outliers[name] = {"size": index.sizes[name], "dominant_size": dominant,
-                                  "keys_with_dominant_size": count, "keys": len(names)}
+    if not considered.any():
+        return outliers
+    entries = np.flatnonzero(considered)
+    order = entries[np.lexsort((sizes[entries], slot[entries]))]
+    sorted_slot = slot[order]
+    starts = np.flatnonzero(np.r_[True, sorted_slot[1:] != sorted_slot[:-1]])
+    for number, start in enumerate(starts):
+        stop = starts[number + 1] if number + 1 < len(starts) else len(order)
+        members = order[start:stop]
+        values, counts = np.unique(sizes[members], return_counts=True)
+        if len(values) < 2:
+            continue
+        dominant, count = int(values[counts.argmax()]), int(counts.max())
+        if count <= DOMINANT_SHARE * len(members):
+            continue  # no size a majority holds (nothing to call the producer's own)
+        for entry in members[sizes[members] != dominant]:
+            outliers[index.rows[entry]] = {"size": int(sizes[entry]), "dominant_size": dominant,
+                                           "keys_with_dominant_size": count, "keys": len(members)}
     return outliers
 
 
-def _store_statistics(index: ChunkIndex) -> list[dict]:
+def _store_statistics(index: ChunkIndex, slots: _Slots, slot: np.ndarray) -> list[dict]:
     """Sizes per (family, part), so that two revisions or dtypes under one name stand out."""
-    sizes: dict[tuple, Counter] = defaultdict(Counter)
-    for name, member in index.members.items():
-        sizes[(member.family, repr(member.part), member.part)][index.sizes.get(name)] += 1
+    sizes = np.frombuffer(index.size, dtype=np.int64)
+    part_of_slot = np.array([int(slots.family[s]) * 1_000_003 + int(slots.bit[s]) for s in range(len(index.slots))],
+                            dtype=np.int64)
+    parts = part_of_slot[slot]
     rows = []
-    for (family, _, part), counter in sorted(sizes.items(), key=lambda item: repr(item[0][:2])):
+    for key in np.unique(parts):
+        family_id, bit = divmod(int(key), 1_000_003)
+        in_part = sizes[parts == key]
+        values, first, counts = np.unique(in_part, return_index=True, return_counts=True)
+        ordered = sorted(zip(values, first, counts), key=lambda item: (-item[2], item[1]))
+        family, part = slots.families[family_id], slots.parts[family_id][bit]
         scheme, *identity = family
-        rows.append({"scheme": scheme, "family": [value for value in identity if value not in (None, "")],
-                     "part": part, "keys": sum(counter.values()),
-                     "sizes": {str(size): count for size, count in counter.most_common()}})
-    return rows
+        rows.append(((repr(family), repr(part)), {
+            "scheme": scheme, "family": [value for value in identity if value not in (None, "")], "part": part,
+            "keys": int(in_part.size),
+            "sizes": {str(None if size < 0 else int(size)): int(count) for size, _, count in ordered}}))
+    return [row for _, row in sorted(rows, key=lambda item: item[0])]
 
 
-def _rank_mixups(records: list[KeyRecord], index: ChunkIndex) -> dict[str, dict]:
-    """Ranks of one chunk and part holding identical non-zero bytes: a shard stored as another's."""
-    by_content: dict[tuple, list[KeyRecord]] = defaultdict(list)
-    for record in records:
-        member = index.members.get(record.key)
-        if member is not None and member.world is None and record.xxh3 is not None and record.size and not record.zero:
-            by_content[(member.chunk, repr(member.part), record.size, record.xxh3)].append(record)
+def _rank_mixups(candidates: list[KeyRecord], index: ChunkIndex, listed) -> dict[int, dict]:
+    """Ranks of one chunk and part holding identical non-zero bytes: a shard stored as another's.
+    `candidates`: the records that share their bytes with another; `listed(record)`: whether the
+    record's key is one the index holds. Keyed by id(record)."""
+    by_content: dict[tuple, list[tuple[KeyRecord, Member]]] = defaultdict(list)
+    for record in candidates:
+        member = member_of(record.parsed_fields())
+        if (member is not None and member.world is None and record.xxh3 is not None and record.size
+                and not record.zero and listed(record)):
+            by_content[(member.chunk, repr(member.part), record.size, record.xxh3)].append((record, member))
     suspects = {}
     for same in by_content.values():
-        ranks = {index.members[record.key].rank for record in same}
-        if len(ranks) < 2:
+        if len({member.rank for _, member in same}) < 2:
             continue
-        for record in same:
-            others = [other.key for other in same if other.key != record.key]
-            suspects[record.key] = {"same_bytes_as": others[:MISSING_EXAMPLES]}
+        for record, _ in same:
+            others = [other.key for other, _ in same if other.key != record.key]
+            suspects[id(record)] = {"same_bytes_as": others[:MISSING_EXAMPLES]}
     return suspects
 
 
@@ -187,9 +374,8 @@ CHUNK_VERDICTS = (Verdict.INCOMPLETE_CHUNK, Verdict.IDENTITY_SUSPECT)
 CHUNK_EVIDENCE = ("incomplete_chunk", "identity")
 
 
-def mark_chunks(records: list[KeyRecord], index: ChunkIndex | None) -> dict | None:
-    """Set INCOMPLETE_CHUNK and IDENTITY_SUSPECT on `records` (idempotently); the summary's `chunks`.
-    `index`: the listing's keys; without one, the records' own keys (a complete scan's)."""
+def clear_chunk_verdicts(records: Iterable[KeyRecord]) -> None:
+    """Undo an earlier `mark_chunks` (merging shards' reports judges again)."""
     for record in records:
         for verdict in CHUNK_VERDICTS:
             if verdict in record.verdicts and not (verdict == Verdict.IDENTITY_SUSPECT
@@ -197,23 +383,49 @@ def mark_chunks(records: list[KeyRecord], index: ChunkIndex | None) -> dict | No
                 record.verdicts.remove(verdict)
         for name in CHUNK_EVIDENCE:
             record.evidence.pop(name, None)
+
+
+def mark_chunks(ledger, candidates: list[KeyRecord], index: ChunkIndex | None) -> dict | None:
+    """Set INCOMPLETE_CHUNK and IDENTITY_SUSPECT on the records of `ledger` (a RecordLedger); the
+    summary's `chunks`. `candidates`: its records that share their bytes with another (rank
+    mixups are among them). `index`: the listing's keys; without one, the records' own keys."""
+    clear_chunk_verdicts(ledger.kept())
     if index is None:
-        index = ChunkIndex.of((record.key, record.size) for record in records)
-    if not index.members:
+        index = ChunkIndex.of_table(ledger.table)
+    if not len(index):
         return None
     judgement = index.judge()
-    mixups = _rank_mixups(records, index)
-    for record in records:
-        missing = judgement.missing.get(record.key)
+    rows = set(judgement.missing_rows) | set(judgement.outlier_rows)
+    if index.table is ledger.table:  # the listing's table is the ledger's: records name their rows
+        targets = [(record, record.ordinal) for record in ledger.at_ordinals(rows)]
+        ordinals = np.array(sorted({record.ordinal for record in candidates if record.ordinal is not None}),
+                            dtype=np.int64)
+        indexed = set(ordinals[np.isin(ordinals, np.frombuffer(index.rows, dtype=np.int64))].tolist())
+
+        def listed(record):
+            return record.ordinal in indexed
+    else:
+        by_name = {index.names(row): row for row in rows}
+        targets = [(record, by_name[record.key]) for record in ledger.with_names(set(by_name))]
+
+        def listed(record):
+            return True
+    mixups = _rank_mixups(candidates, index, listed)
+    for record, row in targets:
+        missing = judgement.missing_rows.get(row)
         if missing:
             record.verdicts.append(Verdict.INCOMPLETE_CHUNK)
             record.evidence["incomplete_chunk"] = {"members_missing": len(missing),
                                                    "missing": missing[:MISSING_EXAMPLES]}
+    outliers = {id(record): judgement.outlier_rows[row] for record, row in targets if row in judgement.outlier_rows}
+    marked = {id(record): record for record, _ in targets}
+    marked.update((id(record), record) for record in candidates if id(record) in mixups)
+    for key, record in marked.items():
         identity = {}
-        if record.key in judgement.outliers:
-            identity["size_outlier"] = judgement.outliers[record.key]
-        if record.key in mixups:
-            identity["rank_mixup"] = mixups[record.key]
+        if key in outliers:
+            identity["size_outlier"] = outliers[key]
+        if key in mixups:
+            identity["rank_mixup"] = mixups[key]
         if identity:
             record.evidence["identity"] = identity
             # a size its layout already refused is SIZE_MISMATCH: the outlier is evidence for it

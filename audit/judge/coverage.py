@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 
 from audit.blocktables import DEFAULT_TENANT
-from audit.records import KeyRecord, Verdict
+
 from audit.sources.census import Census
 
 MEMORY = "memory"
@@ -55,6 +55,9 @@ def replica_tiers(keys, *, every_memory_replica: bool) -> dict[str, dict[str, in
     reached. A key is read from memory when it has a memory replica (peek reads read each one, a
     lease read one), else once through the client, from the tier of its first replica."""
     tiers = {tier: Counter() for tier in TIER_NAMES}
+    if hasattr(keys, "unusual"):  # a KeyTable: the keys with one memory replica are counted at once
+        usual, keys = keys.unusual()
+        tiers[MEMORY].update(keys=usual, replicas=usual)
     for key in keys:
         counts = Counter(replica.get("tier", MEMORY) for replica in key.replicas)
         read_from = MEMORY if counts[MEMORY] else key.replicas[0].get("tier") if key.replicas else None
@@ -69,10 +72,10 @@ def replica_tiers(keys, *, every_memory_replica: bool) -> dict[str, dict[str, in
             for tier, row in tiers.items()}
 
 
-def account(census: Census, records: list[KeyRecord], *, not_reached: int) -> dict:
-    """The coverage account of a run (docs/coverage.md)."""
-    read_in = Counter(record.tenant for record in records if record.xxh3 is not None)
-    unread = sum(1 for record in records if record.is_incomplete)
+def account(census: Census, tally, *, not_reached: int) -> dict:
+    """The coverage account of a run (docs/coverage.md); `tally`: its records counted (a Tally)."""
+    read_in = tally.read_by_tenant
+    unread = tally.unread
     held = census.keys_held
     named = sum(census.named.values())
     gaps = []
@@ -118,7 +121,7 @@ def account(census: Census, records: list[KeyRecord], *, not_reached: int) -> di
         "keys_listed": census.listed,
         "keys_named": named,
         "keys_read": sum(read_in.values()),
-        "keys_vanished": sum(1 for record in records if Verdict.VANISHED in record.verdicts),
+        "keys_vanished": tally.vanished,
         "keys_admin_cannot_answer": census.through_client,
         "tenants": tenants,
         "replica_tiers": census.tiers,

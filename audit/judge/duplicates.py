@@ -16,7 +16,7 @@ Every other group is SHARED_CONTENT: null-backed keys, a copy bug.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from audit.layouts.hf_config import model_type_of
 from audit.producers import member_of, producer_of
@@ -122,15 +122,23 @@ def _why_expected(fields: list[dict], replication_of: Callable[[dict], tuple[int
     return f"copies of one replicated KV head (workers {sorted(workers)}, one block of {r} {source}): the keys differ only in {differ}"
 
 
-def mark_duplicates(records: list[KeyRecord], replication: Replication | None = None) -> tuple[list[dict], list[dict]]:
-    """Set SHARED_CONTENT or EXPECTED_DUPLICATE on `records` (idempotently); the groups of each.
-    `replication`: the model config's replication factor for a key's fields, where one is given."""
+def clear_duplicate_verdicts(records: Iterable[KeyRecord]) -> None:
+    """Undo an earlier `mark_duplicates` (merging shards' reports judges again)."""
     for record in records:
         for verdict, evidence in ((Verdict.SHARED_CONTENT, "shared_content"),
                                   (Verdict.EXPECTED_DUPLICATE, "expected_duplicate")):
             if verdict in record.verdicts:
                 record.verdicts.remove(verdict)
             record.evidence.pop(evidence, None)
+
+
+def mark_duplicates(records: list[KeyRecord], replication: Replication | None = None,
+                    everyone: Callable[[], Iterable[KeyRecord]] | None = None) -> tuple[list[dict], list[dict]]:
+    """Set SHARED_CONTENT or EXPECTED_DUPLICATE on `records` (idempotently); the groups of each.
+    `replication`: the model config's replication factor for a key's fields, where one is given.
+    `everyone`: every record of the run, where `records` holds only those sharing their bytes
+    (the chunks a family shows need them all); by default, `records`."""
+    clear_duplicate_verdicts(records)
     parsed: dict[str, dict] = {}
     shown: dict[tuple, int] | None = None
 
@@ -145,7 +153,7 @@ def mark_duplicates(records: list[KeyRecord], replication: Replication | None = 
         if configured is not None:
             return configured, "by the model config"
         if shown is None:
-            shown = _shown_replication(records, fields_of)
+            shown = _shown_replication(everyone() if everyone else records, fields_of)
         member = member_of(fields)
         return (None if member is None else shown.get(member.family)), "as most of its chunks show"
 

@@ -34,7 +34,8 @@ def read_failure(key: KeyInfo, code: int, message: str | None = None) -> KeyReco
     error = {"code": code, "name": ERROR_NAMES.get(code, "UNKNOWN")}
     if message:
         error["message"] = message
-    return KeyRecord(key=key.name, size=key.size, fields=key.fields, verdicts=[verdict], error=error)
+    return KeyRecord(key=key.name, size=key.size, fields=key.fields, verdicts=[verdict], error=error,
+                     ordinal=key.ordinal)
 
 
 def _region_rows(layout, check: ValueCheck) -> list[dict]:
@@ -102,7 +103,8 @@ def judge_read(key: KeyInfo, code: int, check: ValueCheck | None, *, layout=None
     elif code != key.size or check is None:
         record = read_failure(key, code, f"read {code} bytes, the listing said {key.size}")
     else:
-        record = KeyRecord(key=key.name, size=key.size, fields=key.fields, xxh3=check.xxh3, zero=check.zero)
+        record = KeyRecord(key=key.name, size=key.size, fields=key.fields, xxh3=check.xxh3, zero=check.zero,
+                           ordinal=key.ordinal)
         if layout is not None:
             record.layout = f"{layout.model}/group:{layout.group}/{layout.kind}/tp{layout.tp_size}"
         if check.regions is not None:

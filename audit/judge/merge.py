@@ -5,13 +5,13 @@ here, never per shard."""
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
 
 from audit import __version__
 from audit.judge.chunks import ChunkIndex, mark_chunks
 from audit.judge.coverage import account
-from audit.judge.duplicates import Replication, mark_duplicates
+from audit.judge.duplicates import Replication, clear_duplicate_verdicts, mark_duplicates
+from audit.judge.ledger import RecordLedger
 from audit.records import KeyRecord, Report
 from audit.sources.census import Census
 
@@ -29,11 +29,12 @@ def exit_code_for(severities: dict[str, int], incomplete: bool, fail_on: str = "
     return 3 if incomplete else 0
 
 
-def merge_records(records: Iterable[KeyRecord], *, context: dict, keys_listed: int,
+def merge_records(records: Iterable[KeyRecord] | RecordLedger, *, context: dict, keys_listed: int,
                   keys_selected: int | None = None, interrupted: bool = False, duration_s: float = 0.0,
                   chunks: ChunkIndex | None = None, census: Census | None = None,
                   replication: Replication | None = None, fail_on: str = "error") -> Report:
-    """One report from per-key records; `context` (cluster, options, times) goes into the summary.
+    """One report from per-key records (a RecordLedger, or any records); `context` (cluster,
+    options, times) goes into the summary.
 
     `keys_selected`: how many of the listed keys this run meant to read (a sample); completeness is
     judged against it. `chunks`: every listed key, for the chunk checks (a sample reads only some
@@ -43,37 +44,33 @@ def merge_records(records: Iterable[KeyRecord], *, context: dict, keys_listed: i
     `fail_on`: the least severity that makes the exit code 1.
     """
     keys_selected = keys_listed if keys_selected is None else keys_selected
-    records = list(records)
-    groups, expected = mark_duplicates(records, replication)
-    chunk_summary = mark_chunks(records, chunks)
-    verdicts = Counter(v for record in records for v in record.verdicts)
-    findings = sum(1 for record in records if record.is_finding)
-    severities = Counter(str(record.severity) for record in records if record.severity is not None)
-    severities = {name: severities.get(name, 0) for name in FAIL_ON}
-    unread = sum(1 for record in records if record.is_incomplete)
-    unjudged = sum(1 for record in records if record.is_unjudged)
-    read = [record for record in records if record.xxh3 is not None]
-    bytes_scanned = sum(record.size or 0 for record in read)
-    not_reached = max(keys_selected - len(records), 0)
-    coverage = None if census is None else account(census, records, not_reached=not_reached)
-    incomplete = (interrupted or unread > 0 or unjudged > 0 or len(records) < keys_selected
+    ledger = records if isinstance(records, RecordLedger) else RecordLedger.of(records)
+    clear_duplicate_verdicts(ledger.kept())
+    candidates = ledger.digest_groups()
+    groups, expected = mark_duplicates(candidates, replication, everyone=lambda: iter(ledger))
+    chunk_summary = mark_chunks(ledger, candidates, chunks)
+    tally = ledger.tally()
+    severities = {name: tally.severities.get(name, 0) for name in FAIL_ON}
+    not_reached = max(keys_selected - len(ledger), 0)
+    coverage = None if census is None else account(census, tally, not_reached=not_reached)
+    incomplete = (interrupted or tally.unread > 0 or tally.unjudged > 0 or len(ledger) < keys_selected
                   or (coverage is not None and not coverage["complete"]))
     summary = {
         "tool": {"name": "mooncake-audit", "version": __version__},
         **context,
         "keys_listed": keys_listed,
         "keys_selected": keys_selected,
-        "keys_scanned": len(read),
-        "keys_unread": unread,
-        "keys_not_fully_judged": unjudged,
+        "keys_scanned": tally.read,
+        "keys_unread": tally.unread,
+        "keys_not_fully_judged": tally.unjudged,
         "keys_not_reached": not_reached,
-        "bytes_scanned": bytes_scanned,
+        "bytes_scanned": tally.bytes_scanned,
         "duration_s": round(duration_s, 3),
-        "bytes_per_s": round(bytes_scanned / duration_s) if duration_s > 0 else None,
-        "findings": findings,
+        "bytes_per_s": round(tally.bytes_scanned / duration_s) if duration_s > 0 else None,
+        "findings": tally.findings,
         "severities": severities,
         "fail_on": fail_on,
-        "verdicts": dict(sorted(verdicts.items())),
+        "verdicts": dict(sorted(tally.verdicts.items())),
         "shared_groups": len(groups),
         "expected_duplicate_groups": len(expected),
         **({"chunks": chunk_summary} if chunk_summary is not None else {}),
@@ -82,7 +79,7 @@ def merge_records(records: Iterable[KeyRecord], *, context: dict, keys_listed: i
         "complete": not incomplete,
         "exit_code": exit_code_for(severities, incomplete, fail_on),
     }
-    return Report(summary=summary, records=records, shared_groups=groups, expected_duplicates=expected)
+    return Report(summary=summary, records=ledger, shared_groups=groups, expected_duplicates=expected)
 
 
 def merge_reports(reports: Iterable[Report], *, context: dict, fail_on: str = "error") -> Report:

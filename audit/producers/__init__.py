@@ -3,7 +3,9 @@ SGLang HiCache and LMCache. A key belongs to the first whose names it matches.""
 
 from __future__ import annotations
 
-from audit.producers.base import Member, Producer, ValueReading
+import numpy as np
+
+from audit.producers.base import SCREEN_BYTES, Member, Producer, ValueReading
 from audit.producers.lmcache.producer import LMCache
 from audit.producers.sglang import SGLang
 from audit.producers.vllm import OPAQUE, VLLM
@@ -45,6 +47,15 @@ def probe_of(name: str, size: int | None, zero: bool | None) -> str | None:
 def describes_itself(head: bytes) -> bool:
     """Whether a value starting with `head` (its first HEAD_BYTES) may describe itself."""
     return any(producer.may_describe(head) for producer in PRODUCERS)
+
+
+def describe_themselves(first: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """`describes_itself` for a batch: `first` holds each value's first SCREEN_BYTES (a row per
+    value, zero past its end); a bool per value that may describe itself."""
+    found = np.zeros(len(sizes), dtype=bool)
+    for producer in PRODUCERS:
+        found |= producer.may_describe_many(first, sizes)
+    return found
 
 
 def read_value(name: str, value) -> tuple[dict, ValueReading] | None:

@@ -9,7 +9,12 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
+
 from audit.layouts.model import Layout
+
+
+SCREEN_BYTES = 12  # the leading bytes `may_describe_many` looks at
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +84,11 @@ class Producer(ABC):
     def may_describe(self, head: bytes) -> bool:
         """Whether a value starting with `head` could describe itself (a cheap look, no parsing)."""
         return False
+
+    def may_describe_many(self, first: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """`may_describe` for a batch at once: `first` holds each value's first SCREEN_BYTES (a
+        row per value, zero past its end), `sizes` their sizes; a bool per value."""
+        return np.zeros(len(sizes), dtype=bool)
 
     def read_value(self, fields: dict, value) -> ValueReading | None:
         """What the value (a uint8 array) says about itself, or None when it says nothing."""

@@ -28,6 +28,7 @@ from audit.errors import TASK_LOST, AuditError
 from audit.judge.plan import CheckPlan
 from audit.readers.buffers import ALIGNMENT
 from audit.readers.throttle import ThrottledReader
+from audit.judge.ledger import RecordLedger
 from audit.records import KeyInfo, KeyRecord, Verdict
 from audit.run.checkpoint import Checkpoint
 from audit.run.options import ScanOptions
@@ -150,7 +151,7 @@ class RayScan:
             ray.shutdown()
 
     def read(self, keys: list[KeyInfo], options: ScanOptions, stop: threading.Event,
-             checkpoint: Checkpoint | None, emit, records: list[KeyRecord], context: dict) -> str | None:
+             checkpoint: Checkpoint | None, emit, records: RecordLedger, context: dict) -> str | None:
         """Every shard read by a Ray task; records handed to `emit` as chunks arrive. The reason the
         scan stopped early, if it did (a deadline, a lost master)."""
         shards = plan_shards(keys, options.shard_mb << 20)
@@ -190,8 +191,7 @@ class RayScan:
                     reasons.append(chunk.stopped)
         context["ray"] = stats.summary()
         # Listing order, as one process has it: shared-content groups are numbered in record order.
-        position = {key.name: i for i, key in enumerate(keys)}
-        records[first:] = sorted(records[first:], key=lambda record: position[record.key])
+        records.sort_from(first)
         if options.read_mode == "peek":
             self._confirm_shared(records)
         if reasons:
@@ -227,7 +227,7 @@ class RayScan:
         for record in records:
             emit(record)
 
-    def _confirm_shared(self, records: list[KeyRecord]) -> None:
+    def _confirm_shared(self, records: RecordLedger) -> None:
         """SHARED_CONTENT spans shards, so its lease-free confirmation happens here, on the driver."""
         from audit.readers.peek import PeekReader
 
@@ -263,7 +263,7 @@ def _node_for(host: str | None, nodes: dict[str, Node], here: Node | None) -> No
 def _lost_records(task: _Task, error: RayError) -> list[KeyRecord]:
     """The keys a dead task never reported: UNREACHABLE, so the run is incomplete, never silent."""
     reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-    return [KeyRecord(key=name, size=key.size, fields=None, verdicts=[Verdict.UNREACHABLE],
+    return [KeyRecord(key=name, size=key.size, fields=None, verdicts=[Verdict.UNREACHABLE], ordinal=key.ordinal,
                       error={"code": TASK_LOST, "name": "TASK_LOST", "message": f"Ray task lost: {reason}"})
             for name, key in task.pending.items()]
 

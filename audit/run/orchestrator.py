@@ -17,6 +17,7 @@ from audit.errors import AuditError
 from audit.layouts import summarize
 from audit.judge.chunks import ChunkIndex
 from audit.judge.duplicates import replication_from
+from audit.judge.ledger import RecordLedger
 from audit.judge.merge import merge_records
 from audit.judge.plan import CheckPlan
 from audit.run.progress import ScanProgress
@@ -25,6 +26,7 @@ from audit.run.checkpoint import Checkpoint
 from audit.forensics.evidence import EvidenceStore
 from audit.run.scan import scan_keys
 from audit.sources.selection import select_keys
+from audit.sources.keytable import KeyTable
 from audit.sources.listing import AdminListing
 from audit.run.statedir import StateDir
 from audit.run.options import ScanOptions
@@ -55,27 +57,41 @@ def _vanished_before_sizing(names: list[str]) -> list[KeyRecord]:
             for name in names]
 
 
-def _plan_context(plan: CheckPlan, listed: set[str]) -> dict:
+def _plan_context(plan: CheckPlan, listed: KeyTable) -> dict:
     context: dict = {}
     if plan.layouts:
         context["layouts"] = [summarize(layout) for layout in plan.layouts]
     if plan.tables is not None:
-        context["block_tables"] = plan.tables.summary(listed)
+        context["block_tables"] = plan.tables.summary(set(listed.names()))
     if plan.manifests is not None:
         context["manifests"] = [manifest.summary() for manifest in plan.manifests.manifests]
     return context
 
 
-def _select(keys: list[KeyInfo], options: ScanOptions, state: StateDir | None, context: dict) -> list[KeyInfo]:
-    new = state.new_keys([key.name for key in keys]) if state is not None else set()
+def _select(keys: KeyTable, options: ScanOptions, state: StateDir | None, context: dict) -> KeyTable:
+    new = state.new_keys(keys.names()) if state is not None and options.sample is not None else set()
     selected = select_keys(keys, options.sample, options.seed, always=new if options.sample is not None else set())
     if options.sample is not None:
         context["sample"] = {"requested": options.sample, "seed": options.seed, "new_keys": len(new)}
     return selected
 
 
+def _resume(keys: KeyTable, done: dict[str, KeyRecord], records: RecordLedger) -> KeyTable:
+    """The keys a checkpoint has not done yet; the done ones' records, with their listed rows."""
+    rest = []
+    for row in keys.rows():
+        record = done.get(keys.name(row))
+        if record is None:
+            rest.append(row)
+        elif record.ordinal is None:
+            record.ordinal = row
+    for record in done.values():
+        records.add(record)
+    return keys.subset(rest)
+
+
 def _read_here(settings, admin, store, keys, checker, options: ScanOptions, stop: threading.Event,
-               checkpoint: Checkpoint | None, evidence: EvidenceStore | None, emit, records: list[KeyRecord]):
+               checkpoint: Checkpoint | None, evidence: EvidenceStore | None, emit, records: RecordLedger):
     """This process reads every key; the reason it stopped early, if it did."""
     reader = base_reader = make_reader(settings, admin, store, keys, options)
     if options.max_bandwidth:
@@ -189,7 +205,7 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
         "device": options.placement.device,
         "checker": checker.name,
     }
-    records: list[KeyRecord] = []
+    records = RecordLedger()  # until the listing's table takes over
     chunks = None
     interrupted = False
     keys_listed = keys_selected = 0
@@ -204,32 +220,34 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
         take_census_after(census, admin, listing)
         other = find_other_tenants_keys(census, options, options.plan, listing, key_filter, clients)
         keys_listed = len(listing.keys) + len(listing.vanished)
-        chunks = ChunkIndex.of((key.name, key.size) for key in listing.keys)
+        records = RecordLedger(listing.keys)
+        chunks = ChunkIndex.of_table(listing.keys)
         if options.plan.requests or options.plan.manifests:  # the producer's layouts: its manifest, or its sizes
             context["layout_inference"] = options.plan.fit_sizes(listing.keys)
         if options.plan.readings:  # sizes that fit several readings: let a sample's bytes choose
             samples = options.plan.reading_samples(listing.keys)
             lease = store.client() if options.read_mode == "lease" else None
             options.plan.decide_readings(read_values(settings, admin, lease, samples, options), samples)
-        context.update(_plan_context(options.plan, {key.name for key in listing.keys}))
+        context.update(_plan_context(options.plan, listing.keys))
         keys = _select(listing.keys, options, state, context)
         census.not_sampled = len(listing.keys) - len(keys) if options.sample is not None else 0
         census.tiers = replica_tiers(keys, every_memory_replica=options.read_mode == "peek")
-        records.extend(_vanished_before_sizing(listing.vanished if options.sample is None else []))
+        for record in _vanished_before_sizing(listing.vanished if options.sample is None else []):
+            records.add(record)
         keys_selected = len(keys) + len(records)
         if options.checkpoint is not None:
             checkpoint = Checkpoint(options.checkpoint, options.scope(settings), options.resume)
-            records.extend(record for name, record in checkpoint.done.items())
-            keys = [key for key in keys if key.name not in checkpoint.done]
+            keys = _resume(keys, checkpoint.done, records)
             context["resumed_keys"] = len(checkpoint.done)
-        records.extend(other.records)
+        for record in other.records:
+            records.add(record)
         keys_selected += len(other.keys) + len(other.records)
         keys, lease_only = split_lease_only(keys, options)
         other.groups.insert(0, (None, lease_only))
-        progress.start(len(keys) + len(other.keys), sum(key.size or 0 for key in keys + other.keys))
+        progress.start(len(keys) + len(other.keys), keys.total_size() + sum(key.size or 0 for key in other.keys))
 
         def emit(record: KeyRecord) -> None:
-            records.append(record)
+            records.add(record)
             sink.record(record)
             progress.advance(1, record.size or 0)
 
@@ -248,7 +266,7 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
         if reason:
             context["aborted"] = reason
     except AuditError as error:
-        if not records:
+        if not len(records):
             raise
         interrupted = True
         context["aborted"] = str(error)
@@ -257,7 +275,7 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
         if checkpoint is not None:
             checkpoint.close()
         if state is not None:
-            state.remember(record.key for record in records)
+            state.remember(records.names())
     context["finished_at"] = _now()
     report = merge_records(records, context=context, keys_listed=max(keys_listed, len(records)),
                            keys_selected=max(keys_selected, len(records)), interrupted=interrupted,

@@ -17,6 +17,7 @@ from audit.judge.plan import CheckPlan
 from audit.readers.lease import LeaseReader
 from audit.readers.throttle import ThrottledReader
 from audit.records import KeyInfo, KeyRecord
+from audit.sources.keytable import KeyTable
 from audit.run.options import ScanOptions
 from audit.run.reading import after_batch_hook, buffer_bytes
 from audit.run.scan import scan_keys
@@ -85,12 +86,12 @@ def find_other_tenants_keys(census: Census, options: ScanOptions, plan: CheckPla
                      records=unplaced + [record for tenant in found for record in tenant.records])
 
 
-def split_lease_only(keys: list[KeyInfo], options: ScanOptions) -> tuple[list[KeyInfo], list[KeyInfo]]:
+def split_lease_only(keys: KeyTable, options: ScanOptions) -> tuple[KeyTable, list[KeyInfo]]:
     """Peek reads address a key by its memory replica's descriptor: the keys without one go to the
     store client (lease reads need no split)."""
     if options.read_mode != "peek":
         return keys, []
-    return [key for key in keys if admin_readable(key)], [key for key in keys if not admin_readable(key)]
+    return keys.where(admin_readable), [key for key in keys if not admin_readable(key)]
 
 
 def read_other_keys(other: OtherKeys, clients: TenantClients, checker, options: ScanOptions, stop: threading.Event,

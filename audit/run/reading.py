@@ -7,21 +7,24 @@ from __future__ import annotations
 from audit.connection import AdminClient, Settings
 from audit.errors import AuditError
 from audit.judge.duplicates import mark_duplicates
+from audit.judge.ledger import RecordLedger
 from audit.readers.buffers import ALIGNMENT
 from audit.readers.lease import LeaseReader
 from audit.records import KeyInfo, KeyRecord, Verdict
 from audit.run.checkpoint import Checkpoint
 from audit.run.options import ScanOptions
 from audit.run.stops import MasterWatch
+from audit.sources.keytable import KeyTable
 
 
 def buffer_bytes(keys: list[KeyInfo], options: ScanOptions) -> int:
     """No more than the scan needs (a small scan should not register 256 MiB); under a bandwidth
     limit, batches of about a quarter second, so the pace is even."""
-    total = sum(ALIGNMENT + (key.size or 0) for key in keys)
+    sizes = [max(size or 0, 0) for size in (keys.sizes() if isinstance(keys, KeyTable) else (k.size for k in keys))]
+    total = ALIGNMENT * len(sizes) + sum(sizes)
     half = min(options.buffer_mb << 19, max(total, ALIGNMENT))
     if options.max_bandwidth:
-        largest = max((key.size or 0 for key in keys), default=0)
+        largest = max(sizes, default=0)
         half = min(half, max(int(options.max_bandwidth / 4), largest + ALIGNMENT))
     return 2 * half
 
@@ -69,10 +72,12 @@ def confirm_findings(records: list[KeyRecord], confirm) -> None:
         apply_confirmation(by_key[key], confirmation)
 
 
-def confirm_shared(records: list[KeyRecord], reader) -> None:
+def confirm_shared(records: RecordLedger | list[KeyRecord], reader) -> None:
     """SHARED_CONTENT is known only across keys: confirm its members once the scan is done."""
-    mark_duplicates(records)  # only SHARED_CONTENT: the full merge, chunk checks included, comes after
-    pending = [r for r in records if Verdict.SHARED_CONTENT in r.verdicts and "confirmation" not in r.evidence]
+    ledger = records if isinstance(records, RecordLedger) else RecordLedger.of(records)
+    candidates = ledger.digest_groups()
+    mark_duplicates(candidates)  # only SHARED_CONTENT: the full merge, chunk checks included, comes after
+    pending = [r for r in candidates if Verdict.SHARED_CONTENT in r.verdicts and "confirmation" not in r.evidence]
     if pending:
         confirm_findings(pending, reader.confirm)
 

@@ -11,6 +11,9 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
+from audit.producers import SCREEN_BYTES, describe_themselves
 from audit.readers.buffers import FetchedBatch, plan_batches
 from audit.judge.key import judge_read
 from audit.judge.plan import CheckPlan
@@ -51,8 +54,17 @@ def check_batch(batch: FetchedBatch, checker, plan: CheckPlan, evidence=None) ->
 
 
 def _described(batch: FetchedBatch, indexes: list[int]) -> dict:
-    """The values at `indexes` that describe themselves (LMCache's): index -> (fields, reading)."""
+    """The values at `indexes` that describe themselves (LMCache's): index -> (fields, reading).
+    In host memory, the batch's first bytes are screened at once: most values are let go there."""
     described = {}
+    array = batch.buffer.array
+    if isinstance(array, np.ndarray) and indexes:
+        offsets = np.array([batch.slots[i].offset for i in indexes], dtype=np.int64)
+        sizes = np.array([batch.slots[i].key.size for i in indexes], dtype=np.int64)
+        spans = np.arange(SCREEN_BYTES)
+        within = spans[None, :] < sizes[:, None]
+        first = np.where(within, array[np.minimum(offsets[:, None] + spans, len(array) - 1)], 0).astype(np.uint8)
+        indexes = [i for i, screened in zip(indexes, describe_themselves(first, sizes)) if screened]
     for i in indexes:
         slot = batch.slots[i]
         if (found := value_reading(slot.key.name, batch.view(slot, slot.key.size))) is not None:
@@ -98,16 +110,19 @@ def scan_keys(keys: Sequence[KeyInfo], reader, checker, plan: CheckPlan | None =
     `stop` ends the scan cleanly between batches (keys not reached get no record).
     """
     plan = plan or CheckPlan()
-    batches = list(plan_batches(keys, reader.capacity))
-    if not batches:
+    batches = plan_batches(keys, reader.capacity)  # planned as they are read: slots for one batch ahead
+    current = next(batches, None)
+    if current is None:
         return
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch") as pool:
-        pending = pool.submit(reader.fetch, batches[0], 0)
-        for turn in range(len(batches)):
+        pending = pool.submit(reader.fetch, current, 0)
+        turn = 0
+        while pending is not None:
             fetched = pending.result()
             stopping = stop is not None and stop.is_set()
-            if turn + 1 < len(batches) and not stopping:
-                pending = pool.submit(reader.fetch, batches[turn + 1], turn + 1)
+            upcoming = None if stopping else next(batches, None)
+            pending = None if upcoming is None else pool.submit(reader.fetch, upcoming, turn + 1)
+            turn += 1
             records = check_batch(fetched, checker, plan, evidence)
             if on_batch is not None:
                 on_batch(records)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Iterable
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,7 @@ from audit.errors import AuditError
 
 LOCK_NAME = "lock"
 SEEN_NAME = "seen-keys.npy"  # sorted XXH3-64 of key names: 8 bytes a key, a million keys in 8 MB
+BLOCK = 65_536               # names hashed at a time
 
 
 def _name_hashes(names) -> np.ndarray:
@@ -42,18 +45,28 @@ class StateDir:
         self._lock.write(str(os.getpid()))
         self._lock.flush()
 
-    def new_keys(self, names: list[str]) -> set[str]:
-        """Names not seen by an earlier run (all of them on the first run)."""
+    def new_keys(self, names: Iterable[str]) -> set[str]:
+        """Names not seen by an earlier run (all of them on the first run), a block at a time."""
         seen = self._seen()
-        if seen.size == 0:
-            return set(names)
-        hashes = np.array([xxhash.xxh3_64_intdigest(n.encode("utf-8", "surrogateescape")) for n in names],
-                          dtype=np.uint64)
-        known = np.isin(hashes, seen, assume_unique=False)
-        return {name for name, was_seen in zip(names, known) if not was_seen}
+        new: set[str] = set()
+        names = iter(names)
+        while block := list(islice(names, BLOCK)):
+            if seen.size == 0:
+                new.update(block)
+                continue
+            hashes = np.fromiter((xxhash.xxh3_64_intdigest(n.encode("utf-8", "surrogateescape")) for n in block),
+                                 dtype=np.uint64, count=len(block))
+            known = np.isin(hashes, seen)
+            new.update(name for name, was_seen in zip(block, known) if not was_seen)
+        return new
 
-    def remember(self, names) -> None:
-        merged = np.union1d(self._seen(), _name_hashes(names))
+    def remember(self, names: Iterable[str]) -> None:
+        """Add `names` to the seen set (hashed a block at a time: 8 bytes a name, never a set of names)."""
+        blocks = [self._seen()]
+        names = iter(names)
+        while block := list(islice(names, BLOCK)):
+            blocks.append(_name_hashes(block))
+        merged = np.unique(np.concatenate(blocks))
         temp = self.path / f".{SEEN_NAME}.{os.getpid()}"
         with open(temp, "wb") as handle:
             np.save(handle, merged)

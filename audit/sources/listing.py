@@ -13,11 +13,15 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from audit.connection import AdminClient
 from audit.records import KeyInfo
+from audit.sources.keytable import KeyTable
 
 REJOIN_SPAN = 8                   # a key may hold up to this many newlines and still be found
 REJOIN_LIMIT = 1_000              # unknown lines beyond this are reported as vanished, not rejoined
+LISTING_BLOCK = 8_192             # lines sized per round of lease-free queries
 TIERS = {"values": "memory", "disk_values": "disk", "local_disk_values": "local_disk", "nof_values": "nof"}
 
 
@@ -32,9 +36,9 @@ class KeyFilter:
 
 @dataclass
 class Listing:
-    """The keys found, plus the names that vanished between listing and sizing."""
+    """The keys found (a compact KeyTable), plus the names that vanished between listing and sizing."""
 
-    keys: list[KeyInfo]
+    keys: KeyTable
     vanished: list[str]
     listed_lines: int
     outside_filter: int = 0   # listed lines --prefix/--match leaves out (a key with newlines: one per line)
@@ -55,8 +59,37 @@ def admin_readable(key: KeyInfo) -> bool:
     return any(replica.get("tier") == "memory" for replica in key.replicas)
 
 
+class _Lines:
+    """The listing body's lines, read out of the body on demand (a list of a million strings
+    would cost more than the body itself)."""
+
+    def __init__(self, body: bytes):
+        self.body = body
+        ends = np.flatnonzero(np.frombuffer(body, dtype=np.uint8) == 0x0A)
+        if len(body) and (not len(ends) or ends[-1] != len(body) - 1):
+            ends = np.r_[ends, len(body)]  # a last line without its newline
+        self.ends = ends
+        self.starts = np.r_[0, ends[:-1] + 1] if len(ends) else ends
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def __getitem__(self, i: int) -> str:
+        return self.body[self.starts[i]:self.ends[i]].decode("utf-8", errors="surrogateescape")
+
+    def repeated(self) -> set[int]:
+        """Lines whose text another line also has (a key's newline-split part may equal a key)."""
+        if not len(self.ends):
+            return set()
+        digests = np.fromiter((hash(self.body[a:b]) for a, b in zip(self.starts.tolist(), self.ends.tolist())),
+                              dtype=np.int64, count=len(self.ends))
+        values, counts = np.unique(digests, return_counts=True)
+        twice = values[counts > 1]
+        return set(np.flatnonzero(np.isin(digests, twice)).tolist()) if len(twice) else set()
+
+
 class AdminListing:
-    """Every key of the cluster (default tenant), filtered, sized lease-free."""
+    """Every key of the cluster (default tenant), filtered, sized lease-free, into a KeyTable."""
 
     def __init__(self, admin: AdminClient, key_filter: KeyFilter = KeyFilter(),
                  size_of: Callable[[str], int] | None = None):
@@ -67,24 +100,41 @@ class AdminListing:
 
     def list(self) -> Listing:
         self._through_client = 0
-        body = self.admin.all_keys_body().decode("utf-8", errors="surrogateescape")
-        lines = body.split("\n")
-        if lines and lines[-1] == "":
-            lines.pop()
-        found: dict[str, KeyInfo] = {}
+        lines = _Lines(self.admin.all_keys_body())
+        table = KeyTable()
+        repeated = lines.repeated()
+        seen: set[str] = set()  # names of repeated lines already found
         unknown: list[int] = []
-        wanted = [i for i, line in enumerate(lines) if line and self.key_filter(line)]
-        answers = self._query(lines[i] for i in wanted)
-        for i in wanted:
-            info = answers.get(lines[i])
+        wanted = outside = 0
+        block: list[tuple[int, str]] = []
+        for i in range(len(lines)):
+            line = lines[i]
+            if not line:
+                continue
+            if not self.key_filter(line):
+                outside += 1
+                continue
+            wanted += 1
+            block.append((i, line))
+            if len(block) >= LISTING_BLOCK:
+                self._size_block(block, table, unknown, repeated, seen)
+                block = []
+        self._size_block(block, table, unknown, repeated, seen)
+        vanished = self._rejoin(lines, unknown, table)
+        return Listing(keys=table, vanished=vanished, listed_lines=len(lines), outside_filter=outside,
+                       through_client=self._through_client)
+
+    def _size_block(self, block: list[tuple[int, str]], table: KeyTable, unknown: list[int],
+                    repeated: set[int], seen: set[str]) -> None:
+        answers = self._query(line for _, line in block)
+        for i, line in block:
+            info = answers.get(line)
             if info is None:
                 unknown.append(i)
-            else:
-                found.setdefault(info.name, info)
-        vanished = self._rejoin(lines, unknown, found)
-        return Listing(keys=list(found.values()), vanished=vanished, listed_lines=len(lines),
-                       outside_filter=sum(1 for line in lines if line) - len(wanted),
-                       through_client=self._through_client)
+            elif i not in repeated or info.name not in seen:
+                table.append(info)
+                if i in repeated:
+                    seen.add(info.name)
 
     def _query(self, names: Iterable[str]) -> dict[str, KeyInfo]:
         plain, unanswered = [], []
@@ -103,7 +153,7 @@ class AdminListing:
                 self._through_client += 1
         return infos
 
-    def _rejoin(self, lines: list[str], unknown: list[int], found: dict[str, KeyInfo]) -> list[str]:
+    def _rejoin(self, lines: _Lines, unknown: list[int], table: KeyTable) -> list[str]:
         """Rejoin unknown lines with neighbours (keys holding newlines); the rest vanished."""
         if not unknown:
             return []
@@ -112,11 +162,11 @@ class AdminListing:
             for start in range(max(0, i - REJOIN_SPAN), i + 1):
                 for stop in range(i + 1, min(len(lines), start + REJOIN_SPAN + 1) + 1):
                     if stop - start >= 2:
-                        candidates.setdefault("\n".join(lines[start:stop]), (start, stop))
+                        candidates.setdefault("\n".join(lines[j] for j in range(start, stop)), (start, stop))
         answers = self._query(name for name in candidates if self.key_filter(name))
         covered: set[int] = set()
         for name, info in answers.items():
-            found.setdefault(name, info)
+            table.append(info)
             start, stop = candidates[name]
             covered.update(range(start, stop))
         return [lines[i] for i in unknown if i not in covered]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from audit.errors import AuditError
-from audit.records import KeyInfo
+from audit.sources.keytable import KeyTable, as_table
 
 
 def parse_sample(text: str | None) -> int | float | None:
@@ -24,13 +24,16 @@ def parse_sample(text: str | None) -> int | float | None:
     raise AuditError(f"--sample must be a key count or a fraction in (0, 1], not {text!r}")
 
 
-def select_keys(keys: list[KeyInfo], sample: int | float | None, seed: int,
-                always: set[str] = frozenset()) -> list[KeyInfo]:
+def select_keys(keys: KeyTable, sample: int | float | None, seed: int,
+                always: set[str] = frozenset()) -> KeyTable:
     """The sample (deterministic for a seed and a listing, whatever order the master lists in),
-    plus every key in `always`; listing order is kept."""
+    plus every key in `always`; listing order is kept. Rows, not names, are drawn, so only the
+    sample's names are ever held."""
+    keys = as_table(keys)
     if sample is None:
         return keys
-    ordered = sorted(keys, key=lambda key: key.name)
+    rows = keys.rows()
+    by_name = sorted(range(len(rows)), key=lambda i: keys.name(rows[i]))
     count = sample if isinstance(sample, int) else max(1, round(sample * len(keys)))
-    chosen = {key.name for key in random.Random(seed).sample(ordered, min(count, len(ordered)))}
-    return [key for key in keys if key.name in chosen or key.name in always]
+    chosen = set(random.Random(seed).sample(by_name, min(count, len(by_name))))
+    return keys.subset(rows[i] for i in range(len(rows)) if i in chosen or (always and keys.name(rows[i]) in always))

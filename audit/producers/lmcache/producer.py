@@ -5,9 +5,11 @@ count, every worker's copy of a replicated head (vLLM's own connector puts such 
 
 from __future__ import annotations
 
+import numpy as np
+
 from audit.producers.base import Member, Producer, ValueReading
-from audit.producers.lmcache.checksum_frame import looks_like_frame
-from audit.producers.lmcache.header import looks_like_header
+from audit.producers.lmcache.checksum_frame import FRAME_BYTES, VERSION, looks_like_frame
+from audit.producers.lmcache.header import DTYPES, FIXED_BYTES, FORMATS, GROUP_BYTES, looks_like_header
 from audit.producers.lmcache.keys import SCHEME, parse_lmcache_key
 from audit.producers.lmcache.values import HEAD_BYTES, read_lmcache_value
 
@@ -46,6 +48,13 @@ class LMCache(Producer):
 
     def may_describe(self, head: bytes) -> bool:
         return looks_like_header(head) or looks_like_frame(head)
+
+    def may_describe_many(self, first: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        words = first[:, :12].copy().view("<i4")
+        header = (sizes >= FIXED_BYTES + GROUP_BYTES) & np.isin(words[:, 1], list(FORMATS)) & np.isin(
+            words[:, 2], list(DTYPES))
+        frame = (sizes >= FRAME_BYTES) & (first[:, 0] == VERSION)
+        return header | frame
 
     def read_value(self, fields: dict, value) -> ValueReading | None:
         return read_lmcache_value(fields, value)

@@ -1,0 +1,158 @@
+"""The listed keys, held compactly: names in one byte arena and fixed-width columns for size and
+replica, instead of one `KeyInfo` (and a dict per replica) per key. A million KeyInfo objects cost
+the auditor about 500 B a key; the table costs the name's bytes plus about 40 (docs/scale-out.md).
+
+A key with one memory replica of its own size (nearly every key) keeps that replica in the columns;
+any other key (several replicas, other tiers, no replica) keeps its replica list aside.
+`KeyInfo` objects are made on access, one at a time, each carrying its row (`ordinal`), so that
+a record can be traced back to its listed key without holding names twice.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+from audit.records import KeyInfo
+
+_ENCODING = ("utf-8", "surrogateescape")  # a listing's bytes, kept as the master sent them
+
+
+class KeyTable(Sequence):
+    """Listed keys in listing order; `subset(rows)` views some of them without copying names."""
+
+    def __init__(self):
+        self._arena = bytearray()
+        self._ends = array("Q")
+        self._sizes = array("q")          # -1: unknown
+        self._endpoint = array("l")       # index into _endpoints; -1: the replicas are in _aside
+        self._address = array("Q")
+        self._endpoints: list[str] = []
+        self._endpoint_ids: dict[str, int] = {}
+        self._aside: dict[int, list[dict]] = {}
+        self._rows: array | None = None   # a subset's rows of the table it views; None: every row
+
+    # building ---------------------------------------------------------------------------------
+
+    def append(self, key: KeyInfo) -> int:
+        """Add a listed key; its row."""
+        row = len(self._ends)
+        self._arena += key.name.encode(*_ENCODING)
+        self._ends.append(len(self._arena))
+        self._sizes.append(-1 if key.size is None else key.size)
+        replicas = key.replicas
+        if (len(replicas) == 1 and replicas[0].get("tier") == "memory" and replicas[0].get("size") == key.size
+                and isinstance(replicas[0].get("address"), int) and isinstance(replicas[0].get("endpoint"), str)):
+            endpoint = replicas[0]["endpoint"]
+            if endpoint not in self._endpoint_ids:
+                self._endpoint_ids[endpoint] = len(self._endpoints)
+                self._endpoints.append(endpoint)
+            self._endpoint.append(self._endpoint_ids[endpoint])
+            self._address.append(replicas[0]["address"])
+        else:
+            self._endpoint.append(-1)
+            self._address.append(0)
+            if replicas:
+                self._aside[row] = [dict(replica) for replica in replicas]
+        return row
+
+    @classmethod
+    def of(cls, keys: Iterable[KeyInfo]) -> KeyTable:
+        table = cls()
+        for key in keys:
+            table.append(key)
+        return table
+
+    # reading ----------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._ends) if self._rows is None else len(self._rows)
+
+    def _row(self, index: int) -> int:
+        return index if self._rows is None else self._rows[index]
+
+    def name(self, row: int) -> str:
+        """The name of table row `row` (an ordinal, whatever subset this is)."""
+        start = self._ends[row - 1] if row else 0
+        return self._arena[start:self._ends[row]].decode(*_ENCODING)
+
+    def size(self, row: int) -> int | None:
+        size = self._sizes[row]
+        return None if size < 0 else size
+
+    def info(self, row: int) -> KeyInfo:
+        """Table row `row` as a KeyInfo (a fresh object: changing it changes nothing here)."""
+        size = self.size(row)
+        endpoint = self._endpoint[row]
+        if endpoint >= 0:
+            replicas = [{"tier": "memory", "endpoint": self._endpoints[endpoint], "address": self._address[row],
+                         "size": size}]
+        else:
+            replicas = [dict(replica) for replica in self._aside.get(row, ())]
+        return KeyInfo(name=self.name(row), size=size, replicas=replicas, ordinal=row)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.subset(self.rows()[index])
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.info(self._row(index))
+
+    def __iter__(self) -> Iterator[KeyInfo]:
+        rows = range(len(self._ends)) if self._rows is None else self._rows
+        for row in rows:
+            yield self.info(row)
+
+    def rows(self) -> array:
+        """The table rows this view holds, in order."""
+        return array("Q", range(len(self._ends))) if self._rows is None else self._rows
+
+    def names(self) -> Iterator[str]:
+        for row in (range(len(self._ends)) if self._rows is None else self._rows):
+            yield self.name(row)
+
+    def sizes(self) -> Iterator[int | None]:
+        for row in (range(len(self._ends)) if self._rows is None else self._rows):
+            yield self.size(row)
+
+    def size_column(self) -> array:
+        """Every table row's size (-1: unknown), for array operations over many rows."""
+        return self._sizes
+
+    def total_size(self) -> int:
+        return sum(size for size in self.sizes() if size is not None)
+
+    def unusual(self) -> tuple[int, Iterator[KeyInfo]]:
+        """How many keys hold one memory replica of their own size (most), and the others."""
+        rows = self.rows()
+        endpoints = self._endpoint
+        usual = sum(1 for row in rows if endpoints[row] >= 0)
+        return usual, (self.info(row) for row in rows if endpoints[row] < 0)
+
+    # views ------------------------------------------------------------------------------------
+
+    def subset(self, rows: Iterable[int]) -> KeyTable:
+        """A view of some table rows (in the order given), sharing this table's columns."""
+        view = object.__new__(KeyTable)
+        for name in ("_arena", "_ends", "_sizes", "_endpoint", "_address", "_endpoints", "_endpoint_ids", "_aside"):
+            setattr(view, name, getattr(self, name))
+        view._rows = rows if isinstance(rows, array) else array("Q", rows)
+        return view
+
+    def where(self, keep: Callable[[KeyInfo], bool]) -> KeyTable:
+        """The keys for which `keep` holds, as a view."""
+        rows = self.rows()
+        return self.subset(row for row in rows if keep(self.info(row)))
+
+    def nbytes(self) -> int:
+        """What the table holds, in bytes (names and columns; keys kept aside counted roughly)."""
+        columns = (self._ends, self._sizes, self._endpoint, self._address)
+        return (len(self._arena) + sum(column.itemsize * len(column) for column in columns)
+                + 200 * len(self._aside) + (0 if self._rows is None else 8 * len(self._rows)))
+
+
+def as_table(keys: Sequence[KeyInfo]) -> KeyTable:
+    """`keys` as a table (itself, when it already is one)."""
+    return keys if isinstance(keys, KeyTable) else KeyTable.of(keys)
