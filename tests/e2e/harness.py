@@ -95,14 +95,24 @@ def run_engine(model_dir: Path, config_path: Path | None, batches: list[list[lis
                mamba: bool, block_size: int | None, max_tokens: int = 8, record_dir: Path | None = None,
                guard: bool = False, bug: bool = False, retention_none: bool = False, tp: int = 1,
                multiprocess: bool = False, dtype: str | None = None, timeout_s: float = 400.0, name: str = "engine",
-               drain: bool = False) -> EngineRun:
-    """Start one vLLM engine in a subprocess, generate `batches` greedily, return tokens and logs."""
+               drain: bool = False, kv_connector: str | None = None, kv_connector_extra_config: dict | None = None,
+               kv_transfer_params: list | None = None, extra_env: dict | None = None,
+               settle_s: float | None = None) -> EngineRun:
+    """Start one vLLM engine in a subprocess, generate `batches` greedily, return tokens and logs.
+
+    `kv_connector` (default MooncakeStoreConnector), its extra config, per-request `kv_transfer_params`
+    (per batch, per prompt), `extra_env` (applied last; a None value removes the variable) and
+    `settle_s` are for other connectors (tests/e2e/test_lmcache_e2e.py runs LMCacheConnectorV1)."""
     work.mkdir(parents=True, exist_ok=True)
     spec_path, out_path, log_path = work / f"{name}.spec.json", work / f"{name}.out.json", work / f"{name}.log"
     spec = dict(model=str(model_dir), batches=batches, max_tokens=max_tokens, block_size=block_size, mamba=mamba,
                 retention_none=retention_none, tp=tp, dtype=dtype, connector=config_path is not None, out=str(out_path))
     if drain:  # wait for every rank's connector puts before shutdown (producer.drain_sends)
         spec["drain"] = True
+    for option, value in (("kv_connector", kv_connector), ("kv_connector_extra_config", kv_connector_extra_config),
+                          ("kv_transfer_params", kv_transfer_params), ("settle_s", settle_s)):
+        if value is not None:
+            spec[option] = value
     spec_path.write_text(json.dumps(spec))
     env = _clean_env()
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1",
@@ -120,6 +130,11 @@ def run_engine(model_dir: Path, config_path: Path | None, batches: list[list[lis
         env["MOONCAKE_AUDIT_GUARD"] = "1"
     if bug:
         env["MOONCAKE_AUDIT_E2E_BUG_53084"] = "1"
+    for variable, value in (extra_env or {}).items():
+        if value is None:
+            env.pop(variable, None)
+        else:
+            env[variable] = value
     started = time.monotonic()
     with open(log_path, "wb") as log:
         process = subprocess.run([sys.executable, str(PRODUCER), str(spec_path)], cwd=work, env=env,

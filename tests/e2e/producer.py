@@ -17,6 +17,11 @@ settings) before starting it: vLLM reads most of it at import. SPEC is a JSON ob
   drain          wait (up to 60 s) until every rank's connector has sent what it queued, before
                  shutdown (drain_sends); otherwise only settle_s (default 1 s)
   out            where the result JSON goes
+  kv_connector   the KVTransferConfig connector (default MooncakeStoreConnector; LMCacheConnectorV1 for
+                 tests/e2e/test_lmcache_e2e.py), kv_connector_extra_config its extra config
+  kv_transfer_params  per batch, per prompt: the request's kv_transfer_params (SamplingParams.extra_args),
+                 or null (LMCache's ``lmcache.tag.*`` request tags)
+  settle_s       seconds to wait after the last batch before shutdown (default 1)
 
 The result: {"batches": [[{"tokens": [...], "cached_tokens": n}, ...], ...], "seconds": {...}}.
 """
@@ -49,7 +54,9 @@ def main(spec_path: str) -> int:
     if spec.get("retention_none"):
         kwargs["prefix_cache_retention_interval"] = None
     if spec.get("connector", True):
-        kwargs["kv_transfer_config"] = KVTransferConfig(kv_connector="MooncakeStoreConnector", kv_role="kv_both")
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=spec.get("kv_connector") or "MooncakeStoreConnector", kv_role="kv_both",
+            kv_connector_extra_config=spec.get("kv_connector_extra_config") or {})
     if spec.get("tp", 1) > 1:
         kwargs.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
     llm = LLM(**kwargs)
@@ -60,8 +67,13 @@ def main(spec_path: str) -> int:
         result_layout = {"error": repr(error)}
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False)
     result = {"batches": [], "vllm": result_layout, "pid": os.getpid()}
-    for batch in spec["batches"]:
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+    per_batch_params = spec.get("kv_transfer_params") or [None] * len(spec["batches"])
+    for batch, transfer in zip(spec["batches"], per_batch_params):
+        batch_params = params if not transfer else [
+            params if not t else SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
+                                                detokenize=False, extra_args={"kv_transfer_params": t})
+            for t in transfer]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], batch_params, use_tqdm=False)
         result["batches"].append([{"tokens": list(o.outputs[0].token_ids), "cached_tokens": o.num_cached_tokens or 0}
                                   for o in outputs])
     generated = time.monotonic()
@@ -78,6 +90,12 @@ def main(spec_path: str) -> int:
         json.dump(result, out)
     with contextlib.suppress(Exception):  # best effort: the process exits next anyway
         llm.llm_engine.engine_core.shutdown()
+    if spec.get("kv_connector") == "LMCacheConnectorV1":
+        # LMCache 0.5.6 leaves non-daemon threads (health monitor, its event loop) behind: the
+        # interpreter would wait on them for ever. The result is written and the engine shut down.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

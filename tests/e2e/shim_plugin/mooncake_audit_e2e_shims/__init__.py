@@ -8,6 +8,9 @@ Always (when ``MOONCAKE_AUDIT_E2E_SHIMS`` is not ``0``):
     (``num_prefill_checkpoint_blocks=1``): the block-boundary state is exported from inside one
     forward pass through ``return_intermediate_states``, which the CPU scan ignores. The shim
     sets it back to 0 so the scheduler splits the prefill at block boundaries instead.
+  - LMCache (``LMCacheConnectorV1``): a CPU connector between vLLM's CPU paged KV cache and
+    LMCache's memory objects, installed once ``lmcache.v1.gpu_connector`` is imported
+    (``lmcache_cpu``; nothing is imported from lmcache here).
 
 With ``MOONCAKE_AUDIT_E2E_BUG_53084=1``, vLLM #53084 is put back the way the connector behaved
 before PR #51362 (needs ``prefix_cache_retention_interval=None`` to show, so the positional save
@@ -41,6 +44,9 @@ def register() -> None:
     """Entry point; idempotent (vLLM may call it more than once per process)."""
     if _on(SHIMS_ENV, "1"):
         _mamba2_no_prefill_checkpoint()
+        from mooncake_audit_e2e_shims import lmcache_cpu
+
+        lmcache_cpu.install_hook()
     if _on(BUG_ENV, "0"):
         _reintroduce_53084()
 
