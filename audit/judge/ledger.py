@@ -53,7 +53,8 @@ class Tally:
 
 
 def _plain(record: KeyRecord) -> bool:
-    return not record.verdicts and not record.evidence and record.error is None and record.xxh3 is not None
+    return (not record.verdicts and record.error is None and record.xxh3 is not None
+            and (not record.evidence or record.evidence.keys() == {"replicas"}))
 
 
 def _columns_hold(record: KeyRecord) -> bool:
@@ -79,6 +80,7 @@ class RecordLedger:
         self._layout = array("H")
         self._tenant = array("H")
         self._spooled = array("q")      # plain row -> offset of its full form in the spool; -1: none
+        self._peeked = bytearray()      # plain row -> 1: its one replica read fine where the listing had it
         self._layouts: list[str | None] = [None]
         self._tenants: list[str | None] = [None]
         self._ids: dict[tuple, int] = {}
@@ -105,7 +107,8 @@ class RecordLedger:
             record.ordinal = self.table.append(KeyInfo(name=record.key, size=record.size))
         elif record.ordinal is None:
             record.ordinal = -1 - self._others.append(KeyInfo(name=record.key, size=record.size))
-        if not self.compact or not _plain(record):
+        peeked = bool(record.evidence) and self._as_listed(record)
+        if not self.compact or not _plain(record) or (record.evidence and not peeked):
             self._order.append(-1 - len(self._kept))
             self._kept.append(record)
             return
@@ -115,6 +118,20 @@ class RecordLedger:
         self._layout.append(0 if record.layout is None else self._id(self._layouts, record.layout))
         self._tenant.append(0 if record.tenant is None else self._id(self._tenants, record.tenant))
         self._spooled.append(-1 if _columns_hold(record) else self._spool_record(record))
+        self._peeked.append(peeked)
+
+    def _as_listed(self, record: KeyRecord) -> bool:
+        """Whether the record's replica evidence (a peek read's) is one replica, read fine, at the
+        place the listing had it: the columns give it back."""
+        rows = record.evidence.get("replicas")
+        if record.ordinal is None or record.ordinal < 0 or not isinstance(rows, list) or len(rows) != 1:
+            return False
+        row = rows[0]
+        listed = self.table.info(record.ordinal).replicas
+        return (row.keys() == {"endpoint", "address", "size", "xxh3", "status"} and row["status"] == "ok"
+                and record.xxh3 is not None and row["xxh3"] == f"{record.xxh3:016x}" and len(listed) == 1
+                and (listed[0]["endpoint"], listed[0]["address"], listed[0]["size"])
+                == (row["endpoint"], row["address"], row["size"]))
 
     def _spool_record(self, record: KeyRecord) -> int:
         if self._spool is None:
@@ -131,9 +148,14 @@ class RecordLedger:
             return pickle.load(self._spool)
         ordinal = self._ordinal[row]
         table, at = (self.table, ordinal) if ordinal >= 0 else (self._others, -1 - ordinal)
-        return KeyRecord(key=table.name(at), size=table.size(at), fields=None,
-                         xxh3=self._xxh3[row], zero=False, layout=self._layouts[self._layout[row]],
-                         tenant=self._tenants[self._tenant[row]], ordinal=ordinal)
+        record = KeyRecord(key=table.name(at), size=table.size(at), fields=None,
+                           xxh3=self._xxh3[row], zero=False, layout=self._layouts[self._layout[row]],
+                           tenant=self._tenants[self._tenant[row]], ordinal=ordinal)
+        if self._peeked[row]:
+            replica = table.info(at).replicas[0]
+            record.evidence["replicas"] = [{"endpoint": replica["endpoint"], "address": replica["address"],
+                                            "size": replica["size"], "xxh3": f"{record.xxh3:016x}", "status": "ok"}]
+        return record
 
     def __len__(self) -> int:
         return len(self._order)
