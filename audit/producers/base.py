@@ -94,6 +94,11 @@ class Producer(ABC):
         """What the value (a uint8 array) says about itself, or None when it says nothing."""
         return None
 
+    def read_by_config(self, fields: dict, value, config: dict) -> ValueReading | None:
+        """What a value that does not describe itself holds, read by `config` (the HuggingFace
+        config of the key's model), or None when the producer cannot tell from it."""
+        return None
+
 
 def match_fields(match: re.Match, scheme: str, integers: frozenset) -> dict:
     """A key pattern's non-empty groups as the key's fields, `integers` as ints."""

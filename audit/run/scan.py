@@ -18,7 +18,7 @@ from audit.readers.buffers import FetchedBatch, plan_batches
 from audit.judge.key import judge_read
 from audit.judge.plan import CheckPlan
 from audit.judge.readings import combine_readings
-from audit.judge.values import judge_reading, value_reading
+from audit.judge.values import judge_reading, may_be_configured, model_configs, value_reading
 from audit.readers.replicas import judge_replicas
 from audit.records import KeyInfo, KeyRecord
 
@@ -30,7 +30,7 @@ def check_batch(batch: FetchedBatch, checker, plan: CheckPlan, evidence=None) ->
         layouts = [plan.layout_for(slot.key) for slot in batch.slots]
         readable = [i for i, (slot, code) in enumerate(zip(batch.slots, batch.results))
                     if code >= 0 and code == slot.key.size]
-        described = _described(batch, readable)
+        described = _described(batch, readable, plan)
         for i, (_, reading) in described.items():
             layouts[i] = reading.layout  # the value's own description, checked against its size
         checks = _check(batch, checker, readable, layouts)
@@ -53,10 +53,12 @@ def check_batch(batch: FetchedBatch, checker, plan: CheckPlan, evidence=None) ->
         batch.release()
 
 
-def _described(batch: FetchedBatch, indexes: list[int]) -> dict:
-    """The values at `indexes` that describe themselves (LMCache's): index -> (fields, reading).
-    In host memory, the batch's first bytes are screened at once: most values are let go there."""
+def _described(batch: FetchedBatch, indexes: list[int], plan: CheckPlan | None = None) -> dict:
+    """The values at `indexes` that describe themselves (LMCache's), or that a model config of the
+    plan's describes (LMCache's without a header): index -> (fields, reading). In host memory, the
+    batch's first bytes are screened at once: most values are let go there, or by their key's name."""
     described = {}
+    configs = model_configs(plan.requests) if plan is not None else {}
     array = batch.buffer.array
     if isinstance(array, np.ndarray) and indexes:
         offsets = np.array([batch.slots[i].offset for i in indexes], dtype=np.int64)
@@ -64,10 +66,12 @@ def _described(batch: FetchedBatch, indexes: list[int]) -> dict:
         spans = np.arange(SCREEN_BYTES)
         within = spans[None, :] < sizes[:, None]
         first = np.where(within, array[np.minimum(offsets[:, None] + spans, len(array) - 1)], 0).astype(np.uint8)
-        indexes = [i for i, screened in zip(indexes, describe_themselves(first, sizes)) if screened]
+        indexes = [i for i, screened in zip(indexes, describe_themselves(first, sizes))
+                   if screened or configs and may_be_configured(batch.slots[i].key.name, configs)]
     for i in indexes:
         slot = batch.slots[i]
-        if (found := value_reading(slot.key.name, batch.view(slot, slot.key.size))) is not None:
+        if (found := value_reading(slot.key.name, batch.view(slot, slot.key.size), configs,
+                                   slot.key.fields)) is not None:
             described[i] = found
     return described
 

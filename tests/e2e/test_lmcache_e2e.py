@@ -258,7 +258,13 @@ def test_no_header_scans_clean_with_model_config(no_header):
     result = _scan(no_header, "--model-config", str(no_header.model_dir))
     records = _clean(result, no_header)
     assert all(_header(r) is None for r in records.values())
-    _observe("no_header", no_header, result)
+    # the model config says what the value is: [2, layers, tokens, kv_heads * head_dim] in the key's dtype
+    decoded = [r["evidence"]["decoded"]["headerless"] for r in records.values()]
+    assert decoded == [{"format": "KV_2LTD", "dtype": "bfloat16", "layers": 2, "kv_heads_per_rank": 1, "head_dim": 64,
+                        "bytes_per_token": 512, "shape": [2, 2, CHUNK, 64]}] * 4, decoded
+    assert all(r["layout"].startswith("lmcache KV_2LTD headerless") and len(r["regions"]) == 4
+               for r in records.values()), records
+    _observe("no_header", no_header, result, decoded_headerless=decoded[0])
 
 
 def test_tags_are_expected_duplicates(tags):

@@ -212,14 +212,53 @@ def test_sglangs_own_store_writes_what_the_audit_expects(cluster, cli_args, name
 def test_the_model_config_decides_which_workers_share_a_head(publisher, cli_args, namespace, tmp_path, kv_heads,
                                                               verdict, code):
     """One chunk, TP 2, both workers' bytes identical: alone it could be either; the config says."""
+    config = _tiny_llama_config(tmp_path, kv_heads)
+    values = lmcache_prompt(namespace, 14, chunks=1, world=2, replicated=True)
+    _publish(publisher, values)
+    found, document = scan_json(cli_args, "--prefix", namespace, "--all", "--model-config", str(config),
+                                "--fail-on", "warning")  # SHARED_CONTENT is a warning (docs/verdicts.md#severity)
+    assert found == code and {r["key"]: r["verdicts"] for r in document["keys"]} == {key: [verdict] for key in values}
+
+
+def _tiny_llama_config(tmp_path: Path, kv_heads: int) -> Path:
+    """MODEL's config: 2 layers, KV heads of 64."""
     config = tmp_path / "tiny-llama" / "config.json"
     config.parent.mkdir()
     config.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 128,
                                   "num_attention_heads": 2, "num_key_value_heads": kv_heads, "head_dim": 64,
                                   "num_hidden_layers": 2, "intermediate_size": 256, "vocab_size": 1000,
                                   "torch_dtype": "float32"}))
-    values = lmcache_prompt(namespace, 14, chunks=1, world=2, replicated=True)
-    _publish(publisher, values)
-    found, document = scan_json(cli_args, "--prefix", namespace, "--all", "--model-config", str(config),
-                                "--fail-on", "warning")  # SHARED_CONTENT is a warning (docs/verdicts.md#severity)
-    assert found == code and {r["key"]: r["verdicts"] for r in document["keys"]} == {key: [verdict] for key in values}
+    return config
+
+
+def test_headerless_values_are_read_by_the_model_config(publisher, cli_args, namespace, tmp_path):
+    """save_chunk_meta false, save_unfull_chunk, TP 2 with 1 KV head: with --model-config each value is
+    [2, 2, tokens, 64] float32; faults beside them are each flagged exactly."""
+    values = lmcache_prompt(namespace, 15, chunks=3, world=2, replicated=True, header=False, last_tokens=100)
+    rng = np.random.default_rng(16)
+    nan = kv_chunk(rng)
+    nan[1, 1, 7, 3] = np.nan  # layer 1's V
+
+    def key(chunk_hash: int) -> str:  # TP 1: a chunk of one key
+        return lmcache_key(f"{namespace}{MODEL}", 1, 0, chunk_hash, "float")
+
+    faults = {
+        key(0xF1): ("ZERO_VALUE", bytes(262_144)),
+        key(0xF2): ("NONFINITE", lmcache_value(nan, header=False)),
+        key(0xF3): ("SIZE_MISMATCH", lmcache_value(kv_chunk(rng), header=False)[:-1000]),  # not a whole token
+    }
+    _publish(publisher, values | {name: value for name, (_, value) in faults.items()})
+    code, document = scan_json(cli_args, "--prefix", namespace, "--all", "--model-config",
+                               str(_tiny_llama_config(tmp_path, 1)))
+    assert code == 1
+    assert {r["key"]: r["verdicts"] for r in document["findings"]} == {name: [v] for name, (v, _) in faults.items()}
+    found = by_key(document)
+    shapes = sorted(tuple(found[name]["evidence"]["decoded"]["headerless"]["shape"]) for name in values)
+    assert shapes == [(2, 2, 100, 64)] * 2 + [(2, 2, 256, 64)] * 4
+    assert all(found[name]["layout"].startswith("lmcache KV_2LTD headerless") for name in values)
+    assert all(found[name]["verdicts"] == ["EXPECTED_DUPLICATE"] for name in values)  # each worker's copy of the head
+    assert document["summary"]["expected_duplicate_groups"] == 3
+    assert [r["segment"] for r in found[key(0xF2)]["evidence"]["nonfinite"]["regions"]] == ["v.layers.1"]
+    assert found[key(0xF3)]["evidence"]["size_mismatch"] == {
+        "value_size": 261_144, "bytes_per_token": 1024, "tokens": 255.023, "max_tokens": 256,
+        "expected_size": "a multiple of 1024 up to 262144"}

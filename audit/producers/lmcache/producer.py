@@ -11,7 +11,7 @@ from audit.producers.base import Member, Producer, ValueReading
 from audit.producers.lmcache.checksum_frame import FRAME_BYTES, VERSION, looks_like_frame
 from audit.producers.lmcache.header import DTYPES, FIXED_BYTES, FORMATS, GROUP_BYTES, looks_like_header
 from audit.producers.lmcache.keys import SCHEME, parse_lmcache_key
-from audit.producers.lmcache.values import HEAD_BYTES, read_lmcache_value
+from audit.producers.lmcache.values import HEAD_BYTES, read_headerless_value, read_lmcache_value
 
 
 class LMCache(Producer):
@@ -58,3 +58,6 @@ class LMCache(Producer):
 
     def read_value(self, fields: dict, value) -> ValueReading | None:
         return read_lmcache_value(fields, value)
+
+    def read_by_config(self, fields: dict, value, config: dict) -> ValueReading | None:
+        return read_headerless_value(fields, value, config)
