@@ -196,30 +196,95 @@ def read_block_tables(paths: Iterable[Path], *, lenient: bool = False) -> BlockT
             raise AuditError(f"cannot read block table {path}: {error.strerror}") from None
         with handle:
             try:
-                for number, line in enumerate(handle, 1):
-                    if not line.strip():
-                        continue
-                    source = f"{path}:{number}"
-                    try:
-                        record = json.loads(line)
-                        if not isinstance(record, dict):
-                            raise _Malformed("a line must hold a JSON object")
-                        entries = None if _unresolved(record) else list(_expand(record))
-                        outcome = _outcome(record)
-                    except (json.JSONDecodeError, _Malformed) as error:
-                        if lenient:
-                            tables.skipped_lines += 1
-                            continue
-                        reason = error.msg if isinstance(error, json.JSONDecodeError) else str(error)
-                        raise AuditError(f"block table {source}: {reason}") from None
-                    if entries is None:
-                        tables.unresolved += 1
-                        continue
-                    tables.records += 1
-                    req_id = record.get("req_id")
-                    for key, block_ids, boundary in entries:
-                        tables.add(key, block_ids, source, None if req_id is None else str(req_id), boundary,
-                                   outcome, _time(record), str(record.get("tenant") or DEFAULT_TENANT))
+                _read_lines(tables, path, enumerate(handle, 1), lenient)
             except UnicodeDecodeError:
                 raise AuditError(f"block table {path} is not UTF-8 text") from None
     return tables
+
+
+def _read_lines(tables: BlockTables, path: Path, lines: Iterable[tuple[int, str]], lenient: bool) -> set[str]:
+    """Add the records of numbered lines of one file to `tables`; the keys their stored puts name."""
+    named: set[str] = set()
+    for number, line in lines:
+        if not line.strip():
+            continue
+        source = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise _Malformed("a line must hold a JSON object")
+            entries = None if _unresolved(record) else list(_expand(record))
+            outcome = _outcome(record)
+        except (json.JSONDecodeError, _Malformed) as error:
+            if lenient:
+                tables.skipped_lines += 1
+                continue
+            reason = error.msg if isinstance(error, json.JSONDecodeError) else str(error)
+            raise AuditError(f"block table {source}: {reason}") from None
+        if entries is None:
+            tables.unresolved += 1
+            continue
+        tables.records += 1
+        req_id = record.get("req_id")
+        for key, block_ids, boundary in entries:
+            tables.add(key, block_ids, source, None if req_id is None else str(req_id), boundary,
+                       outcome, _time(record), str(record.get("tenant") or DEFAULT_TENANT))
+            if outcome != FAILED:  # a put that stored nothing names no key in the store
+                named.add(key)
+    return named
+
+
+class BlockTableTail:
+    """The records of `paths` read as they are written (`watch`): each `poll` reads only the bytes
+    appended to each file since the last one, whole lines only (a line still being written waits for
+    its newline). A file that shrank or was replaced (another inode: truncated, rotated onto the same
+    name) is read again from its start, a new file from its start; `tables` accumulates every record
+    read, as `read_block_tables` would have built it from the same lines."""
+
+    def __init__(self, paths: Iterable[Path], *, lenient: bool = False):
+        self.paths = tuple(Path(path) for path in paths)
+        self.lenient = lenient
+        self.tables = BlockTables()
+        self.bytes_read = 0
+        self._cursors: dict[str, tuple[int, int, int]] = {}  # path: (inode, byte offset, lines read)
+
+    def poll(self) -> set[str]:
+        """Read what was appended since the last poll; the keys the new records name."""
+        named: set[str] = set()
+        present: set[str] = set()
+        for path in _files(self.paths):
+            name = str(path)
+            try:
+                stat = path.stat()
+            except OSError:
+                continue  # removed between the listing of the directory and now
+            present.add(name)
+            inode, offset, number = self._cursors.get(name, (stat.st_ino, 0, 0))
+            if inode != stat.st_ino or stat.st_size < offset:
+                inode, offset, number = stat.st_ino, 0, 0  # truncated or replaced: read it again
+            if stat.st_size > offset:
+                offset, number = self._read_new(path, offset, number, named)
+            self._cursors[name] = (inode, offset, number)
+            if name not in self.tables.files:
+                self.tables.files.append(name)
+        for name in set(self._cursors) - present:
+            del self._cursors[name]  # rotated away: its records stay in `tables`
+        return named
+
+    def _read_new(self, path: Path, offset: int, number: int, named: set[str]) -> tuple[int, int]:
+        try:
+            with open(path, "rb") as handle:
+                handle.seek(offset)
+                data = handle.read()
+        except OSError as error:
+            raise AuditError(f"cannot read block table {path}: {error.strerror}") from None
+        end = data.rfind(b"\n") + 1
+        if not end:
+            return offset, number
+        try:
+            lines = data[:end].decode("utf-8", errors="strict").split("\n")[:-1]
+        except UnicodeDecodeError:
+            raise AuditError(f"block table {path} is not UTF-8 text") from None
+        named |= _read_lines(self.tables, path, enumerate(lines, number + 1), self.lenient)
+        self.bytes_read += end
+        return offset + end, number + len(lines)

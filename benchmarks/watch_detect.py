@@ -50,8 +50,8 @@ from benchmarks.watch_harness import (Producer, WatchProcess, bad_key, clean_ite
 
 FINDINGS = "mooncake_audit_findings"
 ROUNDS = "mooncake_audit_watch_rounds_total"
-WATCH_GAUGES = ("listing_seconds", "interval_seconds", "interval_stretched", "keys_known", "bytes_read_per_second",
-                "oldest_verification_age_seconds")
+WATCH_GAUGES = ("listing_seconds", "listing_seconds_median", "interval_seconds", "interval_stretched", "keys_known",
+                "bytes_read_per_second", "oldest_verification_age_seconds", "listings_total", "record_rounds_total")
 
 
 class CleanProducer(threading.Thread):
@@ -89,14 +89,16 @@ def watch_gauges(metrics: dict[str, float]) -> dict[str, float | None]:
 def measure_feed(name: str, watcher: WatchProcess, producer: Producer, samples: int, interval: float, first_bad: int,
                  size: int, rng: random.Random, log, records: Path | None = None, timeout_s: float = 120.0) -> dict:
     """`samples` bad keys one after another; seconds from put to the scrape that shows each."""
-    latencies, gauges, rounds, missed = [], [], [], 0
+    latencies, gauges, rounds, listings, missed = [], [], [], [], 0
     round_ends: list[tuple[float, float]] = []  # (rounds, when a scrape first showed it), while polling
     last_round = (watcher.metrics().get(ROUNDS, 0), time.perf_counter())
     found = watcher.metrics().get(FINDINGS, 0)
     for n in range(samples):
         time.sleep(rng.uniform(0, 1.5 * interval))
         key = bad_key(first_bad + n)
-        rounds_before = watcher.metrics().get(ROUNDS, 0)
+        before = watcher.metrics()
+        rounds_before = before.get(ROUNDS, 0)
+        listings_before = before.get("mooncake_audit_watch_listings_total", 0)
         put_at = time.perf_counter()
         if producer.put(key, bytes(size)) != 0:
             raise RuntimeError(f"putting {key} failed")
@@ -113,6 +115,7 @@ def measure_feed(name: str, watcher: WatchProcess, producer: Producer, samples: 
                 found = metrics[FINDINGS]
                 gauges.append(watch_gauges(metrics))
                 rounds.append(metrics.get(ROUNDS, 0) - rounds_before)
+                listings.append(metrics.get("mooncake_audit_watch_listings_total", 0) - listings_before)
                 break
             if time.perf_counter() > deadline:
                 missed += 1
@@ -129,6 +132,7 @@ def measure_feed(name: str, watcher: WatchProcess, producer: Producer, samples: 
     return {
         "feed": name, "samples": len(latencies), "missed": missed, "seconds": [round(s, 3) for s in latencies],
         "rounds_to_detect": rounds,  # rounds completed between the put and the scrape that showed it
+        "listings_to_detect": listings,  # listings completed in that time (0: the record round found it)
         "p50_s": percentile(latencies, 50), "p99_s": percentile(latencies, 99), "max_s": max(latencies, default=None),
         "listing_s_median": percentile(listing, 50), "listing_s_max": max(listing, default=None),
         "interval_s_median": percentile(intervals, 50), "interval_s_max": max(intervals, default=None),

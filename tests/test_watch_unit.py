@@ -24,3 +24,80 @@ def test_the_documented_unit_verifies(tmp_path):
     path.write_text(unit.replace("/opt/mooncake-audit/.venv/bin/mooncake-audit", str(executable)))
     verified = subprocess.run([analyze, "verify", str(path)], capture_output=True, text=True, timeout=60)
     assert verified.returncode == 0 and not verified.stderr.strip(), verified.stderr
+
+
+def test_the_block_table_tail_reads_only_new_bytes(tmp_path):
+    import json
+
+    from audit.blocktables import BlockTableTail, read_block_tables
+
+    path = tmp_path / "blocks-a-1-0.jsonl"
+    line = lambda key, ids: json.dumps({"key": key, "block_ids": ids, "rc": 0}) + "\n"  # noqa: E731
+    path.write_text(line("k1", [1]) + line("k2", [0]))
+    tail = BlockTableTail([tmp_path])
+    assert tail.poll() == {"k1", "k2"} and tail.bytes_read == path.stat().st_size
+    assert tail.poll() == set() and tail.bytes_read == path.stat().st_size  # nothing new: nothing read
+    read = tail.bytes_read
+    with open(path, "a") as handle:
+        handle.write(line("k3", [0]) + '{"key": "k4", "blo')  # the last line is still being written
+    assert tail.poll() == {"k3"} and tail.bytes_read == read + len(line("k3", [0]))
+    with open(path, "a") as handle:
+        handle.write('ck_ids": [2], "rc": 0}\n')
+    assert tail.poll() == {"k4"}
+    assert tail.tables.get("k3").null_backed and tail.tables.get("k3").sources == [f"{path}:3"]
+    assert tail.tables.get("k4").sources == [f"{path}:4"] and tail.tables.records == 4
+    full = read_block_tables([tmp_path])
+    assert {k: e.block_ids for k, e in full.entries.items()} == {k: e.block_ids for k, e in tail.tables.entries.items()}
+    rotated = tmp_path / "blocks-a-1-1.jsonl"  # the recorder's next file: read from its start
+    rotated.write_text(line("k5", [4]))
+    assert tail.poll() == {"k5"}
+    path.write_text(line("k6", [0]))  # truncated and rewritten: read again from its start
+    assert tail.poll() == {"k6"} and tail.tables.get("k6").sources == [f"{path}:1"]
+
+
+def test_the_interval_stretches_on_the_median_listing_not_one_slow_one():
+    from audit.run.watch import stretched_interval
+
+    assert stretched_interval(10, []) == 10
+    assert stretched_interval(10, [0.5, 0.6, 6.3]) == 10  # one slow listing (median 0.6 s): no stretch
+    assert stretched_interval(10, [1.2, 1.3, 6.3, 1.1, 1.25]) == 12.5  # median 1.25 s / 0.1
+    assert stretched_interval(10, [2.0, 2.0, 0.1]) == 20
+
+
+def test_keys_are_read_ahead_of_the_period_by_the_backlog_they_need():
+    from audit.run.watch import read_ahead_s
+
+    assert read_ahead_s(86400, 10, 0, None) == 10             # no cap: one interval early
+    assert read_ahead_s(86400, 10, 1_000_000, None) == 10
+    assert read_ahead_s(86400, 10, 5_000_000, 100_000) == 60  # 50 s of backlog at the cap, plus an interval
+    assert read_ahead_s(60, 2, 10_000_000, 262_144) == 12     # at most a fifth of the period
+
+
+def test_due_keys_include_those_within_the_read_ahead_and_chunks_are_settled_later(tmp_path):
+    from audit.judge.chunks import ChunkIndex
+    from audit.keys import vllm_key
+    from audit.records import KeyInfo, KeyRecord
+    from audit.run.watch import Watcher, read_ahead_s
+    from audit.run.watch_state import WatchState
+
+    state = WatchState(tmp_path)
+    try:
+        rank0, rank1 = (vllm_key("m", "c0", tp_rank=rank) for rank in (0, 1))
+        names = ["old", "near", "fresh", rank0]
+        state.add_new({name: 1000 for name in names}, 0.0)
+        for name, at in (("old", 100.0), ("near", 110.0), ("fresh", 190.0), (rank0, 190.0)):
+            state.verified([KeyRecord(key=name, size=1000, fields=None, xxh3=1, zero=False,
+                                      verdicts=["NULL_BACKED"] if name == rank0 else [])], at, lambda found: None)
+        period, now = 100.0, 205.0  # "old" is past its period, "near" 5 s short of it
+        assert state.bytes_before(now - 0.8 * period) == 2000
+        assert state.due(now - period, None) == ["old"]
+        ahead = read_ahead_s(period, 2.0, state.bytes_before(now - 0.8 * period), 500.0)
+        assert ahead == 6.0 and state.due(now - period + ahead, None) == ["old", "near"]
+        # a key judged in a record round: the listing shows its chunk lacks rank 1, its other verdicts stay
+        chunks = ChunkIndex.of([(rank0, 1000), (vllm_key("m", "c1", tp_rank=0), 1000),
+                                (vllm_key("m", "c1", tp_rank=1), 1000)])
+        [record] = Watcher._chunk_rejudge(state, [KeyInfo(name=rank0, size=1000)], chunks)
+        assert record.verdicts == ["NULL_BACKED", "INCOMPLETE_CHUNK"] and record.xxh3 == 1
+        assert rank1 not in state.known()
+    finally:
+        state.close()

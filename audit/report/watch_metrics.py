@@ -45,9 +45,25 @@ class WatchMetrics:
                                       "Bytes read per second over the last round.", registry=registry)
         self.listing_seconds = Gauge("mooncake_audit_watch_listing_seconds", "Duration of the last listing.",
                                      registry=registry)
+        self.listing_seconds_median = Gauge("mooncake_audit_watch_listing_seconds_median",
+                                            "Median duration of the last few listings (what stretches the interval).",
+                                            registry=registry)
+        self.listings = Counter("mooncake_audit_watch_listings", "Listings of the store completed.", registry=registry)
         self.interval = Gauge("mooncake_audit_watch_interval_seconds",
-                              "The round interval in use: --interval, stretched so the listing stays under "
+                              "The round interval in use: --interval, stretched so the median listing stays under "
                               "its share of the time.", registry=registry)
+        self.read_ahead = Gauge("mooncake_audit_watch_read_ahead_seconds",
+                                "Keys are re-read once their verification is older than the period minus this.",
+                                registry=registry)
+        self.record_rounds = Counter("mooncake_audit_watch_record_rounds",
+                                     "Rounds run between listings on the keys new block-table records name.",
+                                     registry=registry)
+        self.record_keys = Counter("mooncake_audit_watch_record_keys",
+                                   "Keys read in record rounds (named by a new record, found in the store).",
+                                   registry=registry)
+        self.record_keys_pending = Gauge("mooncake_audit_watch_record_keys_pending",
+                                         "Keys new records name that the store does not hold yet (retried).",
+                                         registry=registry)
         self.interval_stretched = Gauge("mooncake_audit_watch_interval_stretched",
                                         "1 while the interval is stretched beyond --interval.", registry=registry)
         self.keys_unreachable = Gauge("mooncake_audit_watch_keys_unreachable",

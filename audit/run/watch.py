@@ -5,23 +5,27 @@ verification is older than the period (oldest first, as much as the bandwidth al
 only inside the window), merges the round's records for cross-key verdicts, and commits the verdicts to
 SQLite. Unreachable keys keep their old stamp and are read again next round; a lost master is retried
 with backoff; SIGTERM or SIGINT ends the round in flight between batches and flushes the state.
+Between rounds, with block tables, the recorder's files are tailed in short slices, and the keys new
+records name are read and judged at once in a record round, without a listing (docs/watch.md).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from audit.blocktables import read_block_tables
+from audit.blocktables import BlockTableTail
 from audit.connection import AdminClient, Settings, open_store
 from audit.errors import AuditError
-from audit.judge.chunks import ChunkIndex
+from audit.judge.chunks import CHUNK_VERDICTS, ChunkIndex, clear_chunk_verdicts
 from audit.judge.merge import merge_records
 from audit.readers.throttle import ThrottledReader
 from audit.records import KeyInfo, KeyRecord, Verdict
@@ -35,7 +39,24 @@ from audit.run.watch_state import FINDINGS_FILE, WatchState
 from audit.sources.listing import AdminListing
 
 LISTING_SHARE = 0.1      # the listing may take at most this share of the time: the interval stretches
+LISTINGS_MEDIAN = 5      # ... judged on the median of this many last listings, so one slow one stretches nothing
 MAX_BACKOFF_S = 60.0
+SLICE_S = 0.25           # between rounds, the record files are looked at this often
+PENDING_S = 30.0         # a key a record names that the store does not hold yet is looked for this long
+READ_AHEAD_SHARE = 0.2   # keys are re-read at most this share of the period before it runs out
+
+
+def stretched_interval(interval_s: float, listings_s, share: float = LISTING_SHARE) -> float:
+    """--interval, stretched so that the median of the last listings' seconds stays under `share` of it."""
+    return max(interval_s, statistics.median(listings_s) / share) if listings_s else interval_s
+
+
+def read_ahead_s(period_s: float, interval_s: float, backlog_bytes: int, bandwidth: float | None) -> float:
+    """How long before its period runs out a key is re-read: one interval (the next round may come that
+    late), plus the seconds the bytes already inside the read-ahead margin need at the bandwidth cap; at
+    most READ_AHEAD_SHARE of the period. Keys verified together then fall due over time, not at once."""
+    lead = interval_s + (backlog_bytes / bandwidth if bandwidth else 0.0)
+    return min(lead, READ_AHEAD_SHARE * period_s)
 
 
 def parse_duration(text: str) -> float:
@@ -78,27 +99,24 @@ class WatchOptions:
 
 
 class _RecordFeed:
-    """The recorder's block-table records, re-read when a file grows: a key the producer published
-    into the null block is judged NULL_BACKED the first time it is read."""
+    """The recorder's block-table records, tailed: each poll reads only what was appended since the last
+    (audit.blocktables.BlockTableTail). The first poll replaces the tables read at startup, and names only
+    the keys those did not name; later polls name every key a new record names."""
 
     def __init__(self, options: WatchOptions):
-        self.options = options
-        self._seen: tuple = ()
+        self.tail = BlockTableTail(options.block_tables, lenient=options.lenient) if options.block_tables else None
+        self._started = False
 
-    def refresh(self, plan) -> set[str]:
-        """Re-read the records if a file changed; the keys they name that they did not name before."""
-        if not self.options.block_tables:
+    def poll(self, plan) -> set[str]:
+        if self.tail is None:
             return set()
-        files = []
-        for path in map(Path, self.options.block_tables):
-            candidates = sorted(path.rglob("*.jsonl*")) if path.is_dir() else [path]
-            files.extend((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in candidates if p.is_file())
-        if tuple(files) == self._seen:
-            return set()
-        before = set(plan.tables.entries) if plan.tables is not None else set()
-        plan.tables = read_block_tables(self.options.block_tables, lenient=self.options.lenient)
-        self._seen = tuple(files)
-        return set(plan.tables.entries) - before
+        named = self.tail.poll()
+        if not self._started:
+            before = set(plan.tables.entries) if plan.tables is not None else set()
+            plan.tables = self.tail.tables
+            self._started = True
+            return named - before
+        return named
 
 
 class Watcher:
@@ -116,6 +134,9 @@ class Watcher:
         self._fitted_sizes: set[int | None] = set()
         self._reader = None
         self._reader_bytes = 0
+        self._listings_s: deque[float] = deque(maxlen=LISTINGS_MEDIAN)
+        self._pending: dict[str, float] = {}     # named by a record, not in the store yet: until when to look
+        self._chunks_unjudged: set[str] = set()  # judged in a record round: chunk verdicts wait for a listing
         if self.scan.verify_writer_checksum:
             enable_writer_checksum(self.scan)
 
@@ -154,10 +175,59 @@ class Watcher:
                 continue
             backoff = 1.0
             server.alive()
-            interval = max(self.options.interval_s, listing_s / self.options.listing_share)
+            self._listings_s.append(listing_s)
+            interval = stretched_interval(self.options.interval_s, self._listings_s, self.options.listing_share)
+            self.metrics.listing_seconds_median.set(statistics.median(self._listings_s))
             self.metrics.interval.set(interval)
             self.metrics.interval_stretched.set(int(interval > self.options.interval_s))
-            stop.wait(max(interval - (time.monotonic() - started), 0.0))
+            self._wait(state, stop, signals, server, started + interval)
+
+    def _wait(self, state: WatchState, stop: threading.Event, signals: StopOnSignals, server, until: float) -> None:
+        """Until the next round, in short slices: a key a new record names is read at once, without a listing."""
+        while not stop.is_set():
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            stop.wait(min(left, SLICE_S) if self.feed.tail is not None else left)
+            if stop.is_set() or self.feed.tail is None:
+                continue
+            try:
+                self._record_round(state, stop, signals, self.feed.poll(self.scan.plan))
+            except AuditError as error:
+                self.log(f"watch: {error}")
+                return  # the next round finds out whether the master is gone, and backs off
+            server.alive()
+
+    def _record_round(self, state: WatchState, stop: threading.Event, signals: StopOnSignals,
+                      named: set[str]) -> None:
+        """Read and judge the keys new records name (and those named earlier the store did not hold yet),
+        sized lease-free as the listing sizes them; their chunk verdicts wait for the next listing."""
+        now = time.time()
+        self._look_for(named, now)
+        self._pending = {name: until for name, until in self._pending.items() if until > now}
+        if not self._pending:
+            self.metrics.record_keys_pending.set(0)
+            return
+        found = AdminListing(self.admin, self.key_filter).size_names(list(self._pending))
+        for name in found:
+            del self._pending[name]
+        self.metrics.record_keys_pending.set(len(self._pending))
+        if not found:
+            return
+        keys = list(found.values())
+        state.add_new({key.name: key.size for key in keys}, now)
+        state.unverify(set(found))  # a key verified before: the new record is new evidence
+        self._fit_layouts(self.admin, keys)
+        records, earlier, lost = self._read(state, self.admin, keys, stop, keys_listed=len(keys), chunks=None)
+        clear_chunk_verdicts(records + earlier)  # only the listing knows a chunk's other members:
+        self._commit(state, records, earlier)
+        self._chunks_unjudged |= {record.key for record in records + earlier}  # the next round judges them
+        self.metrics.record_rounds.inc()
+        self.metrics.record_keys.inc(len(keys))
+        self.metrics.show_state(state.counts(time.time() - self.options.period_s), time.time())
+        if lost and signals.received is None:
+            stop.clear()
+            raise AuditError(lost)
 
     def _round(self, state: WatchState, stop: threading.Event, signals: StopOnSignals, interval: float) -> float:
         """One listing and the reads it calls for; the listing's seconds."""
@@ -168,24 +238,39 @@ class Watcher:
             self.metrics.master_up.set(0)
             raise
         self.metrics.master_up.set(1)
+        known = state.known()  # before the listing: keys a record round enters meanwhile are not forgotten
         listed_at = time.perf_counter()
-        listing = AdminListing(admin, self.key_filter).list()
+        listing = self._list(state, stop, signals)
         listing_s = time.perf_counter() - listed_at
         self.metrics.listing_seconds.set(listing_s)
+        self.metrics.listings.inc()
         self.metrics.keys_listed.set(len(listing.keys))
         now = time.time()
         listed = {key.name: key for key in listing.keys}
-        known = state.known()
         state.add_new({name: key.size for name, key in listed.items() if name not in known}, now)
         state.forget(known - listed.keys())
-        state.unverify(self.feed.refresh(self.scan.plan))  # a key named by a new record: judged again now
+        named = self.feed.poll(self.scan.plan)
+        state.unverify(named)  # a key named by a new record: judged again now
+        self._pending = {name: until for name, until in self._pending.items() if name not in listed}
+        self._look_for(named - listed.keys(), now)
         self._fit_layouts(admin, listing.keys)
         new = [listed[name] for name in state.never_verified() if name in listed]
         due = []
         if in_window(self.options.window, datetime.now()):
             budget = None if self.scan.max_bandwidth is None else self.scan.max_bandwidth * interval
-            due = [listed[name] for name in state.due(now - self.options.period_s, budget) if name in listed]
-        records, earlier, lost = self._read(state, admin, new + due, stop, listing)
+            ahead = read_ahead_s(self.options.period_s, interval,
+                                 state.bytes_before(now - (1 - READ_AHEAD_SHARE) * self.options.period_s),
+                                 self.scan.max_bandwidth)
+            self.metrics.read_ahead.set(ahead)
+            due = [listed[name] for name in state.due(now - self.options.period_s + ahead, budget) if name in listed]
+        keys = new + due
+        read = {key.name for key in keys}
+        unjudged = [listed[name] for name in self._chunks_unjudged if name in listed and name not in read]
+        self._chunks_unjudged.clear()
+        records, earlier, lost = self._read(state, admin, keys, stop, keys_listed=len(listing.keys),
+                                            chunks=ChunkIndex.of((key.name, key.size) for key in listing.keys)
+                                            if keys or unjudged else None,
+                                            unjudged=unjudged)
         self._commit(state, records, earlier)  # what was judged before a lost master stands
         if lost and signals.received is None:
             stop.clear()  # the master, not an operator, stopped the round: retry with backoff
@@ -194,6 +279,35 @@ class Watcher:
         self.metrics.last_round.set(time.time())
         self.metrics.show_state(state.counts(time.time() - self.options.period_s), time.time())
         return listing_s
+
+    def _list(self, state: WatchState, stop: threading.Event, signals: StopOnSignals):
+        """The listing; with block tables it runs on a thread (the admin client keeps a connection per
+        thread) while record rounds go on in slices, so that a listing of a large store delays no
+        record-fed key."""
+        if self.feed.tail is None:
+            return AdminListing(self.admin, self.key_filter).list()
+        outcome: dict = {}
+
+        def work():
+            try:
+                outcome["listing"] = AdminListing(self.admin, self.key_filter).list()
+            except BaseException as error:  # noqa: BLE001 (raised again on the watcher's thread)
+                outcome["error"] = error
+
+        thread = threading.Thread(target=work, name="listing", daemon=True)
+        thread.start()
+        tailing = True
+        while thread.is_alive():
+            thread.join(SLICE_S)
+            if tailing and thread.is_alive() and not stop.is_set():
+                try:
+                    self._record_round(state, stop, signals, self.feed.poll(self.scan.plan))
+                except AuditError as error:
+                    self.log(f"watch: {error}")
+                    tailing = False  # the listing's end decides whether the master is gone
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["listing"]
 
     def _fit_layouts(self, admin: AdminClient, keys: list[KeyInfo]) -> None:
         """As `scan` does before reading, again whenever a size not seen before is listed."""
@@ -230,13 +344,21 @@ class Watcher:
             self._reader.close()
             self._reader = None
 
+    def _look_for(self, names: set[str], now: float) -> None:
+        """Keys new records name, not read yet: looked for in the store on the next slices, for PENDING_S."""
+        for name in filter(self.key_filter, names):
+            self._pending.setdefault(name, now + PENDING_S)
+
     def _read(self, state: WatchState, admin: AdminClient, keys: list[KeyInfo], stop: threading.Event,
-              listing) -> tuple[list[KeyRecord], list[KeyRecord], str | None]:
+              keys_listed: int, chunks: ChunkIndex | None,
+              unjudged: list[KeyInfo] = ()) -> tuple[list[KeyRecord], list[KeyRecord], str | None]:
         """The round's records, cross-key verdicts included; the earlier rounds' keys whose bytes they
-        share (verdicts revised, not read); why the master stopped the round, if it did."""
+        share, and the `unjudged` keys (judged in a record round) whose chunk verdicts the listing settles
+        now (verdicts revised, not read); why the master stopped the round, if it did."""
+        rejudged = self._chunk_rejudge(state, unjudged, chunks) if unjudged else []
         if not keys:
             self.metrics.bytes_per_second.set(0)
-            return [], [], None
+            return [], rejudged, None
         reader = base = self._reader_for(admin, keys)
         if self.scan.max_bandwidth:
             reader = ThrottledReader(reader, self.scan.max_bandwidth, stop)
@@ -251,9 +373,20 @@ class Watcher:
         read_bytes = sum(record.size or 0 for record in records if record.xxh3 is not None)
         self.metrics.bytes_scanned.inc(read_bytes)
         self.metrics.bytes_per_second.set(read_bytes / elapsed if elapsed > 0 else 0)
-        merge_records(records + earlier, context={}, keys_listed=len(listing.keys),  # cross-key verdicts
-                      chunks=ChunkIndex.of((key.name, key.size) for key in listing.keys))
-        return records, earlier, watch.lost
+        merge_records(records + earlier, context={}, keys_listed=keys_listed, chunks=chunks)  # cross-key verdicts
+        return records, earlier + rejudged, watch.lost
+
+    @staticmethod
+    def _chunk_rejudge(state: WatchState, keys: list[KeyInfo], chunks: ChunkIndex | None) -> list[KeyRecord]:
+        """The stored verdicts of `keys`, with the chunk verdicts the listing's `chunks` gives them."""
+        stored = state.stored(key.name for key in keys)
+        probes = [KeyRecord(key=r.key, size=r.size, fields=None, xxh3=None, verdicts=[]) for r in stored]
+        merge_records(probes, context={}, keys_listed=len(probes), chunks=chunks)  # no digests: chunks only
+        for record, probe in zip(stored, probes):
+            kept = [v for v in record.verdicts if v not in CHUNK_VERDICTS or v == "IDENTITY_SUSPECT"]
+            record.verdicts = kept + [v for v in probe.verdicts if v in CHUNK_VERDICTS and v not in kept]
+            record.evidence.update({k: v for k, v in probe.evidence.items() if k not in record.evidence})
+        return stored
 
     def _commit(self, state: WatchState, records: list[KeyRecord], earlier: list[KeyRecord]) -> None:
         now = time.time()

@@ -94,6 +94,12 @@ class WatchState:
             names.append(name)
         return names
 
+    def bytes_before(self, before: float) -> int:
+        """The bytes of the keys last verified before `before` (what re-reading them costs)."""
+        (total,) = self.db.execute("SELECT SUM(COALESCE(size, 0)) FROM keys WHERE last_verified < ?",
+                                   (before,)).fetchone()
+        return total or 0
+
     def first_seen(self, names: Iterable[str]) -> dict[str, float]:
         """When each of `names` never verified before was first seen (the time-to-verdict of new keys)."""
         return dict(self.db.execute("SELECT name, first_seen FROM keys WHERE first_verified IS NULL AND name IN "
@@ -109,9 +115,14 @@ class WatchState:
                 "SELECT name, size, digest, verdicts FROM keys WHERE digest IN (SELECT value FROM json_each(?))",
                 (json.dumps(sorted({digest for digest, _ in wanted})),)):
             if name not in names and (digest, size) in wanted:
-                found.append(KeyRecord(key=name, size=size, fields=None, xxh3=int(digest, 16), zero=False,
-                                       verdicts=json.loads(verdicts)))
+                found.append(_stored(name, size, digest, verdicts, zero=False))
         return found
+
+    def stored(self, names: Iterable[str]) -> list[KeyRecord]:
+        """The verified keys among `names` as records with their stored digest and verdicts (no read)."""
+        return [_stored(*row) for row in self.db.execute(
+            "SELECT name, size, digest, verdicts FROM keys WHERE last_verified IS NOT NULL AND name IN "
+            "(SELECT value FROM json_each(?))", (json.dumps(sorted(names)),))]
 
     def verified(self, records: list[KeyRecord], now: float, on_new_findings: Callable[[list[KeyRecord]], None],
                  restamp: bool = True) -> None:
@@ -152,3 +163,8 @@ class WatchState:
     def close(self) -> None:
         self.db.close()
         self.lock.release()
+
+
+def _stored(name: str, size: int | None, digest: str | None, verdicts: str, zero: bool | None = None) -> KeyRecord:
+    return KeyRecord(key=name, size=size, fields=None, xxh3=None if digest is None else int(digest, 16), zero=zero,
+                     verdicts=json.loads(verdicts))

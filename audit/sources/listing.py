@@ -126,7 +126,7 @@ class AdminListing:
 
     def _size_block(self, block: list[tuple[int, str]], table: KeyTable, unknown: list[int],
                     repeated: set[int], seen: set[str]) -> None:
-        answers = self._query(line for _, line in block)
+        answers = self.size_names(line for _, line in block)
         for i, line in block:
             info = answers.get(line)
             if info is None:
@@ -136,7 +136,9 @@ class AdminListing:
                 if i in repeated:
                     seen.add(info.name)
 
-    def _query(self, names: Iterable[str]) -> dict[str, KeyInfo]:
+    def size_names(self, names: Iterable[str]) -> dict[str, KeyInfo]:
+        """The named keys the store holds, sized lease-free (the client sizes what the admin API
+        cannot answer for), by name."""
         plain, unanswered = [], []
         for name in names:
             (unanswered if "," in name else plain).append(name)
@@ -163,7 +165,7 @@ class AdminListing:
                 for stop in range(i + 1, min(len(lines), start + REJOIN_SPAN + 1) + 1):
                     if stop - start >= 2:
                         candidates.setdefault("\n".join(lines[j] for j in range(start, stop)), (start, stop))
-        answers = self._query(name for name in candidates if self.key_filter(name))
+        answers = self.size_names(name for name in candidates if self.key_filter(name))
         covered: set[int] = set()
         for name, info in answers.items():
             table.append(info)

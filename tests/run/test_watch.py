@@ -226,3 +226,35 @@ def test_bytes_shared_with_a_key_of_an_earlier_round_flag_both(watchers, publish
     assert sorted(line["key"] for line in found) == [f"{namespace}first", f"{namespace}second"]
     code, document = scan_json(cli_args, "--prefix", namespace, "--fail-on", "warning")
     assert code == 1 and {r["key"] for r in document["findings"]} == {line["key"] for line in found}
+
+
+def test_a_record_flags_its_key_between_listings(watchers, publisher, cli_args, namespace, tmp_path):
+    """With a long --interval the listing cannot be what finds the key: the record round does, from the
+    record alone, whether the record comes after the put or before it (the key looked for until it exists)."""
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    _put_clean(publisher, namespace, 2)
+    watcher = watchers(cli_args, namespace, tmp_path / "state", "--block-tables", str(tables), "--interval", "60")
+    metrics = watcher.wait_for(lambda m: m.get("mooncake_audit_watch_keys_verified_within_period") == 2)
+    listings = metrics["mooncake_audit_watch_listings_total"]
+    records = tables / "blocks-host-1-0.jsonl"
+    after, before = f"{namespace}after", f"{namespace}before"
+    publisher.put(after, bytes([7]) * 1000)
+    written = time.monotonic()
+    with open(records, "a") as handle:
+        handle.write(json.dumps({"key": after, "block_ids": [0, 3], "rc": 0}) + "\n")
+    metrics = watcher.wait_for(lambda m: m.get("mooncake_audit_findings") == 1, timeout_s=10)
+    assert time.monotonic() - written < 5
+    with open(records, "a") as handle:  # named before the store holds it: looked for on later slices
+        handle.write(json.dumps({"key": before, "block_ids": [0], "rc": 0}) + "\n")
+    watcher.wait_for(lambda m: m.get("mooncake_audit_watch_record_keys_pending") == 1, timeout_s=10)
+    publisher.put(before, bytes([9]) * 1000)
+    metrics = watcher.wait_for(lambda m: m.get("mooncake_audit_findings") == 2, timeout_s=10)
+    assert metrics["mooncake_audit_watch_listings_total"] == listings  # no listing in between
+    assert metrics["mooncake_audit_watch_record_keys_total"] == 2
+    assert metrics["mooncake_audit_verdict_keys{severity=error,verdict=NULL_BACKED}"] == 2
+    assert metrics["mooncake_audit_watch_first_seen_to_verified_seconds_count"] == 4
+    assert metrics["mooncake_audit_watch_record_keys_pending"] == 0
+    assert watcher.stop() == 0
+    found = [json.loads(line) for line in (tmp_path / "state" / "findings.jsonl").read_text().splitlines()]
+    assert [(line["key"], line["verdicts"]) for line in found] == [(after, ["NULL_BACKED"]), (before, ["NULL_BACKED"])]
