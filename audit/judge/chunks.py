@@ -84,6 +84,8 @@ class ChunkIndex:
     slots: list[tuple] = field(default_factory=list)            # (family, part, rank, world)
     names: object = None                                        # ordinal -> key name
     table: object = None                                        # the KeyTable it was built from, if one
+    _settled: ChunkJudgement | None = None
+    _held: np.ndarray | None = None
 
     @classmethod
     def of(cls, keys: Iterable[tuple[str, int | None]]) -> ChunkIndex:
@@ -123,7 +125,7 @@ class ChunkIndex:
         return index
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return int(self._held.sum()) if self._held is not None else len(self.rows)
 
     def member(self, ordinal: int) -> Member | None:
         """The member at a key's ordinal (parsed again: only for the few keys a verdict names)."""
@@ -133,7 +135,28 @@ class ChunkIndex:
         return sum(column.itemsize * len(column) for column in (self.rows, self.chunk, self.slot, self.size))
 
     def judge(self) -> ChunkJudgement:
-        return _judge(self)
+        return self._settled if self._settled is not None else _judge(self)
+
+    def settle(self) -> ChunkIndex:
+        """Judge now and let the columns go: what the listing says about chunks is known before a
+        single value is read, so the judging's temporary arrays never meet the scan's records.
+        Which ordinals the index held is kept, as a bit per table row."""
+        self._settled = _judge(self)
+        held = np.zeros(max(self.rows, default=-1) + 1, dtype=bool)
+        held[np.frombuffer(self.rows, dtype=np.int64)] = True
+        self._held = held
+        self.rows, self.chunk, self.slot, self.size = array("q"), array("q"), array("l"), array("q")
+        return self
+
+    def holds(self, ordinals: np.ndarray) -> np.ndarray:
+        """Whether each ordinal is a key of this index (a bool per ordinal)."""
+        held = self._held if self._held is not None else None
+        if held is None:
+            return np.isin(ordinals, np.frombuffer(self.rows, dtype=np.int64))
+        inside = (ordinals >= 0) & (ordinals < len(held))
+        result = np.zeros(len(ordinals), dtype=bool)
+        result[inside] = held[ordinals[inside]]
+        return result
 
 
 @dataclass
@@ -400,7 +423,7 @@ def mark_chunks(ledger, candidates: list[KeyRecord], index: ChunkIndex | None) -
         targets = [(record, record.ordinal) for record in ledger.at_ordinals(rows)]
         ordinals = np.array(sorted({record.ordinal for record in candidates if record.ordinal is not None}),
                             dtype=np.int64)
-        indexed = set(ordinals[np.isin(ordinals, np.frombuffer(index.rows, dtype=np.int64))].tolist())
+        indexed = set(ordinals[index.holds(ordinals)].tolist())
 
         def listed(record):
             return record.ordinal in indexed

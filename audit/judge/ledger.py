@@ -218,33 +218,28 @@ class RecordLedger:
     def digest_groups(self) -> list[KeyRecord]:
         """The records (promoted) that share their size and digest with another record: the
         candidates for SHARED_CONTENT and EXPECTED_DUPLICATE, in the order added. Zero values and
-        empty ones share nothing."""
-        positions, sizes, digests = [], [], []
+        empty ones share nothing. Plain rows are screened by digest alone, on one sorted copy of
+        the digest column (8 B a record), before any record is made."""
+        kept = {}
         for position, slot in enumerate(self._order):
             if slot < 0:
                 record = self._kept[-1 - slot]
                 if record.xxh3 is not None and record.size and not record.zero:
-                    positions.append(position)
-                    sizes.append(record.size)
-                    digests.append(record.xxh3)
-        order = np.frombuffer(self._order, dtype=np.int64)
-        plain_positions = np.flatnonzero(order >= 0)
-        plain_rows = order[plain_positions]
-        plain_sizes = self._sizes(np.frombuffer(self._ordinal, dtype=np.int64)[plain_rows])
-        plain_digests = np.frombuffer(self._xxh3, dtype=np.uint64)[plain_rows] if len(plain_rows) else \
-            np.zeros(0, dtype=np.uint64)
-        nonempty = plain_sizes > 0
-        all_positions = np.concatenate([np.array(positions, dtype=np.int64), plain_positions[nonempty]])
-        all_sizes = np.concatenate([np.array(sizes, dtype=np.int64), plain_sizes[nonempty]])
-        all_digests = np.concatenate([np.array(digests, dtype=np.uint64), plain_digests[nonempty]])
-        if len(all_positions) < 2:
+                    kept[position] = record.xxh3
+        digests = np.frombuffer(self._xxh3, dtype=np.uint64) if len(self._xxh3) else np.zeros(0, dtype=np.uint64)
+        every = np.sort(np.concatenate([digests, np.fromiter(kept.values(), dtype=np.uint64, count=len(kept))]))
+        repeated = np.unique(every[1:][every[1:] == every[:-1]])
+        del every
+        if not len(repeated):
             return []
-        by = np.lexsort((all_digests, all_sizes))
-        same = (all_sizes[by][1:] == all_sizes[by][:-1]) & (all_digests[by][1:] == all_digests[by][:-1])
-        shared = np.zeros(len(by), dtype=bool)
-        shared[1:] |= same
-        shared[:-1] |= same
-        return self.promote(sorted(int(p) for p in all_positions[by][shared]))
+        rows = np.flatnonzero(np.isin(digests, repeated))
+        order = np.frombuffer(self._order, dtype=np.int64)
+        positions = set(np.flatnonzero(np.isin(order, rows) & (order >= 0)).tolist())
+        del order
+        positions.update(position for position, digest in kept.items() if np.isin(digest, repeated))
+        candidates = [record for record in self.promote(sorted(positions)) if record.size]
+        same = Counter((record.size, record.xxh3) for record in candidates)
+        return [record for record in candidates if same[(record.size, record.xxh3)] > 1]
 
     def at_ordinals(self, ordinals: Iterable[int]) -> list[KeyRecord]:
         """The records (promoted) of the keys at these table rows."""

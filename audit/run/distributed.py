@@ -19,6 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import ray
 from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -110,13 +111,33 @@ class Node:
 
 @dataclass
 class _Task:
-    """The driver's view of one shard in flight: which of its keys still owe a record."""
+    """The driver's view of one shard in flight: which of its keys (its rows, in listing order)
+    still owe a record, a flag per key."""
 
     shard: Shard
     target: Node | None
-    pending: dict[str, KeyInfo]
+    pending: np.ndarray
     workers: set[int] = field(default_factory=set)
     node: str | None = None
+
+    rows: np.ndarray | None = None  # the shard's rows, sorted, for looking a record's row up
+
+    @classmethod
+    def of(cls, shard: Shard, target: Node | None) -> _Task:
+        rows = np.sort(np.array(shard.rows, dtype=np.int64))
+        return cls(shard, target, np.ones(len(rows), dtype=bool), rows=rows)
+
+    def owed(self, record: KeyRecord) -> bool:
+        """Whether the record is one this task still owed (then it is owed no more)."""
+        rows = self.rows
+        at = int(np.searchsorted(rows, record.ordinal)) if record.ordinal is not None else len(rows)
+        if at >= len(rows) or rows[at] != record.ordinal or not self.pending[at]:
+            return False
+        self.pending[at] = False
+        return True
+
+    def unreported(self) -> list[KeyInfo]:
+        return [self.shard.table.info(int(self.rows[i])) for i in np.flatnonzero(self.pending)]
 
 
 class RayScan:
@@ -184,7 +205,7 @@ class RayScan:
                         stats.lost(task, len(lost))
                         self._hand_on(lost, checkpoint, emit)
                     continue
-                fresh = [record for record in chunk.records if task.pending.pop(record.key, None) is not None]
+                fresh = [record for record in chunk.records if task.owed(record)]
                 stats.took(task, chunk, fresh)
                 self._hand_on(fresh, checkpoint, emit)
                 if chunk.stopped and chunk.stopped not in reasons:
@@ -217,7 +238,7 @@ class RayScan:
             strategy = NodeAffinitySchedulingStrategy(target.id, soft=True) if target is not None else "DEFAULT"
             generator = scan_shard.options(scheduling_strategy=strategy).remote(
                 scan, settings, task_options, plan, shard.keys, deadline_at)
-            running[generator] = _Task(shard, target, {key.name: key for key in shard.keys})
+            running[generator] = _Task.of(shard, target)
         return running
 
     @staticmethod
@@ -263,9 +284,9 @@ def _node_for(host: str | None, nodes: dict[str, Node], here: Node | None) -> No
 def _lost_records(task: _Task, error: RayError) -> list[KeyRecord]:
     """The keys a dead task never reported: UNREACHABLE, so the run is incomplete, never silent."""
     reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-    return [KeyRecord(key=name, size=key.size, fields=None, verdicts=[Verdict.UNREACHABLE], ordinal=key.ordinal,
+    return [KeyRecord(key=key.name, size=key.size, fields=None, verdicts=[Verdict.UNREACHABLE], ordinal=key.ordinal,
                       error={"code": TASK_LOST, "name": "TASK_LOST", "message": f"Ray task lost: {reason}"})
-            for name, key in task.pending.items()]
+            for key in task.unreported()]
 
 
 class _Stats:

@@ -221,7 +221,7 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
         other = find_other_tenants_keys(census, options, options.plan, listing, key_filter, clients)
         keys_listed = len(listing.keys) + len(listing.vanished)
         records = RecordLedger(listing.keys)
-        chunks = ChunkIndex.of_table(listing.keys)
+        chunks = ChunkIndex.of_table(listing.keys).settle()
         if options.plan.requests or options.plan.manifests:  # the producer's layouts: its manifest, or its sizes
             context["layout_inference"] = options.plan.fit_sizes(listing.keys)
         if options.plan.readings:  # sizes that fit several readings: let a sample's bytes choose

@@ -4,11 +4,13 @@ scan and every Ray task."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from audit.connection import AdminClient, Settings
 from audit.errors import AuditError
 from audit.judge.duplicates import mark_duplicates
 from audit.judge.ledger import RecordLedger
-from audit.readers.buffers import ALIGNMENT
+from audit.readers.buffers import ALIGNMENT, MAX_KEYS_PER_BATCH
 from audit.readers.lease import LeaseReader
 from audit.records import KeyInfo, KeyRecord, Verdict
 from audit.run.checkpoint import Checkpoint
@@ -18,13 +20,16 @@ from audit.sources.keytable import KeyTable
 
 
 def buffer_bytes(keys: list[KeyInfo], options: ScanOptions) -> int:
-    """No more than the scan needs (a small scan should not register 256 MiB); under a bandwidth
-    limit, batches of about a quarter second, so the pace is even."""
-    sizes = [max(size or 0, 0) for size in (keys.sizes() if isinstance(keys, KeyTable) else (k.size for k in keys))]
-    total = ALIGNMENT * len(sizes) + sum(sizes)
-    half = min(options.buffer_mb << 19, max(total, ALIGNMENT))
+    """No more than the scan needs (a small scan, or one of small values, should not register
+    256 MiB); under a bandwidth limit, batches of about a quarter second, so the pace is even."""
+    sizes = keys.size_array() if isinstance(keys, KeyTable) else np.array([k.size or 0 for k in keys], dtype=np.int64)
+    sizes = sizes.clip(0)
+    total = ALIGNMENT * len(sizes) + int(sizes.sum())
+    largest = int(sizes.max()) if len(sizes) else 0
+    # a batch holds at most MAX_KEYS_PER_BATCH keys: small values never fill 128 MiB, and a
+    # registered buffer is resident whole (a million 256 B values: 640 KiB, not 256 MiB)
+    half = min(options.buffer_mb << 19, max(total, ALIGNMENT), MAX_KEYS_PER_BATCH * (largest + ALIGNMENT))
     if options.max_bandwidth:
-        largest = max(sizes, default=0)
         half = min(half, max(int(options.max_bandwidth / 4), largest + ALIGNMENT))
     return 2 * half
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
+import numpy as np
+
 from audit.records import KeyInfo
 
 _ENCODING = ("utf-8", "surrogateescape")  # a listing's bytes, kept as the master sent them
@@ -121,8 +123,13 @@ class KeyTable(Sequence):
         """Every table row's size (-1: unknown), for array operations over many rows."""
         return self._sizes
 
+    def size_array(self) -> np.ndarray:
+        """This view's sizes as an int64 array (-1: unknown)."""
+        sizes = np.frombuffer(self._sizes, dtype=np.int64) if len(self._sizes) else np.zeros(0, dtype=np.int64)
+        return sizes.copy() if self._rows is None else sizes[np.frombuffer(self._rows, dtype=np.uint64).astype(np.int64)]
+
     def total_size(self) -> int:
-        return sum(size for size in self.sizes() if size is not None)
+        return int(self.size_array().clip(0).sum())
 
     def unusual(self) -> tuple[int, Iterator[KeyInfo]]:
         """How many keys hold one memory replica of their own size (most), and the others."""
