@@ -127,11 +127,10 @@ class RecordLedger:
         if record.ordinal is None or record.ordinal < 0 or not isinstance(rows, list) or len(rows) != 1:
             return False
         row = rows[0]
-        listed = self.table.info(record.ordinal).replicas
-        return (row.keys() == {"endpoint", "address", "size", "xxh3", "status"} and row["status"] == "ok"
-                and record.xxh3 is not None and row["xxh3"] == f"{record.xxh3:016x}" and len(listed) == 1
-                and (listed[0]["endpoint"], listed[0]["address"], listed[0]["size"])
-                == (row["endpoint"], row["address"], row["size"]))
+        listed = self.table.listed_replica(record.ordinal)
+        return (listed is not None and row.keys() == {"endpoint", "address", "size", "xxh3", "status"}
+                and row["status"] == "ok" and record.xxh3 is not None and row["xxh3"] == f"{record.xxh3:016x}"
+                and listed == (row["endpoint"], row["address"], row["size"]))
 
     def _spool_record(self, record: KeyRecord) -> int:
         if self._spool is None:
@@ -152,9 +151,9 @@ class RecordLedger:
                            xxh3=self._xxh3[row], zero=False, layout=self._layouts[self._layout[row]],
                            tenant=self._tenants[self._tenant[row]], ordinal=ordinal)
         if self._peeked[row]:
-            replica = table.info(at).replicas[0]
-            record.evidence["replicas"] = [{"endpoint": replica["endpoint"], "address": replica["address"],
-                                            "size": replica["size"], "xxh3": f"{record.xxh3:016x}", "status": "ok"}]
+            endpoint, address, size = table.listed_replica(at)
+            record.evidence["replicas"] = [{"endpoint": endpoint, "address": address, "size": size,
+                                            "xxh3": f"{record.xxh3:016x}", "status": "ok"}]
         return record
 
     def __len__(self) -> int:

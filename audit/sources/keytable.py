@@ -131,6 +131,24 @@ class KeyTable(Sequence):
     def total_size(self) -> int:
         return int(self.size_array().clip(0).sum())
 
+    def listed_replica(self, row: int) -> tuple[str, int, int | None] | None:
+        """(endpoint, address, size) of a row's one memory replica, where the columns hold it."""
+        endpoint = self._endpoint[row]
+        return None if endpoint < 0 else (self._endpoints[endpoint], self._address[row], self.size(row))
+
+    def split(self, keep: Callable[[KeyInfo], bool]) -> tuple[KeyTable, list[KeyInfo]]:
+        """(the keys for which `keep` holds, as a view; the others), asking `keep` only of keys
+        kept aside: a key with one memory replica in the columns is taken as kept."""
+        kept, others = array("Q"), []
+        for row in self.rows():
+            if self._endpoint[row] >= 0:
+                kept.append(row)
+            elif keep(info := self.info(row)):
+                kept.append(row)
+            else:
+                others.append(info)
+        return self.subset(kept), others
+
     def unusual(self) -> tuple[int, Iterator[KeyInfo]]:
         """How many keys hold one memory replica of their own size (most), and the others."""
         rows = self.rows()

@@ -1,0 +1,56 @@
+"""The compact listing: what goes into a KeyTable comes back out, key by key and in views."""
+
+from __future__ import annotations
+
+from audit.records import KeyInfo
+from audit.sources.keytable import KeyTable
+from audit.sources.listing import _Lines
+
+
+def _memory(endpoint: str, address: int, size: int) -> dict:
+    return {"tier": "memory", "endpoint": endpoint, "address": address, "size": size}
+
+
+KEYS = [
+    KeyInfo("a@tp_rank:0", 256, replicas=[_memory("10.0.0.1:1", 4096, 256)]),
+    KeyInfo("key with\nnewline and \udcff byte", 10, replicas=[_memory("10.0.0.2:1", 64, 10),
+                                                              _memory("10.0.0.3:1", 128, 10)]),
+    KeyInfo("disk only", 7, replicas=[{"tier": "disk", "endpoint": None, "address": None, "size": 7}]),
+    KeyInfo("sized by the client, no replica", 5),
+    KeyInfo("b@tp_rank:1", 256, replicas=[_memory("10.0.0.1:1", 8192, 256)]),
+]
+
+
+def test_every_key_comes_back_as_it_went_in_with_its_row():
+    table = KeyTable.of(KEYS)
+    back = list(table)
+    assert [(k.name, k.size, k.replicas) for k in back] == [(k.name, k.size, k.replicas) for k in KEYS]
+    assert [k.ordinal for k in back] == list(range(len(KEYS)))
+    assert table[-1].name == "b@tp_rank:1" and table.name(1) == KEYS[1].name
+    assert table.listed_replica(0) == ("10.0.0.1:1", 4096, 256) and table.listed_replica(1) is None
+    assert table.total_size() == 256 + 10 + 7 + 5 + 256
+
+
+def test_views_keep_table_rows_and_split_asks_only_the_unusual_keys():
+    table = KeyTable.of(KEYS)
+    view = table.subset([4, 0])
+    assert [k.name for k in view] == ["b@tp_rank:1", "a@tp_rank:0"] and [k.ordinal for k in view] == [4, 0]
+    asked = []
+
+    def memory(key: KeyInfo) -> bool:
+        asked.append(key.name)
+        return any(r.get("tier") == "memory" for r in key.replicas)
+
+    readable, others = table.split(memory)
+    assert [k.ordinal for k in readable] == [0, 1, 4]
+    assert [k.name for k in others] == ["disk only", "sized by the client, no replica"]
+    assert asked == [KEYS[1].name, "disk only", "sized by the client, no replica"]
+    usual, unusual = table.unusual()
+    assert usual == 2 and [k.ordinal for k in unusual] == [1, 2, 3]
+
+
+def test_listing_lines_are_read_from_the_body_and_repeats_found():
+    lines = _Lines(b"a\nb\n\nb\nlast")
+    assert len(lines) == 5 and [lines[i] for i in range(5)] == ["a", "b", "", "b", "last"]
+    assert lines.repeated() == {1, 3}
+    assert len(_Lines(b"")) == 0 and len(_Lines(b"x\n")) == 1
