@@ -25,16 +25,15 @@ IDENTITY_SUSPECT. Two revisions with identical shapes cannot be told apart by si
 
 from __future__ import annotations
 
-import re
 from array import array
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from audit.judge.values import IDENTITY_EVIDENCE
-from audit.producers import Member, member_of, parse_key, producer_of
+from audit.producers import Member, member_of, parse_key, producer_of, split_stem
 from audit.records import KeyRecord, Verdict
 
 COMPANION_SHARE = 0.9
@@ -42,7 +41,6 @@ COMPANION_MIN_CHUNKS = 8
 DOMINANT_SHARE = 0.5    # a size is the family's own only where more than half of its keys have it
 MISSING_EXAMPLES = 8    # missing members named in each record's evidence
 TEMPLATES = 4096        # distinct key shapes whose parse is remembered (vLLM: one per model, rank, group)
-_HEX = re.compile(r"[0-9a-fA-F]+")
 
 
 class _Members:
@@ -53,8 +51,8 @@ class _Members:
         self._shapes: dict[str, Member | None] = {}
 
     def __call__(self, name: str) -> Member | None:
-        shape, _, chunk_hash = name.rpartition("@")
-        if shape and _HEX.fullmatch(chunk_hash):
+        if (split := split_stem(name)) is not None:
+            shape, chunk_hash = split
             template = self._shapes.get(shape, False)
             if template is False:
                 fields = parse_key(name)
@@ -126,13 +124,6 @@ class ChunkIndex:
 
     def __len__(self) -> int:
         return int(self._held.sum()) if self._held is not None else len(self.rows)
-
-    def member(self, ordinal: int) -> Member | None:
-        """The member at a key's ordinal (parsed again: only for the few keys a verdict names)."""
-        return member_of(parse_key(self.names(ordinal)))
-
-    def nbytes(self) -> int:
-        return sum(column.itemsize * len(column) for column in (self.rows, self.chunk, self.slot, self.size))
 
     def judge(self) -> ChunkJudgement:
         return self._settled if self._settled is not None else _judge(self)

@@ -282,12 +282,3 @@ class RecordLedger:
                 if count:
                     tally.read_by_tenant[self._tenants[tenant_id]] += int(count)
         return tally
-
-    def nbytes(self) -> int:
-        columns = (self._order, self._ordinal, self._xxh3, self._layout, self._tenant, self._spooled)
-        return sum(column.itemsize * len(column) for column in columns)
-
-    def close(self) -> None:
-        if self._spool is not None:
-            self._spool.close()
-            self._spool = None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from audit.blocktables import BlockTables
@@ -12,10 +11,10 @@ from audit.judge.readings import SAMPLE_KEYS, choose_reading
 from audit.layouts.infer import (MANIFEST_FLAG, LayoutRequest, describe_reading, infer_layouts, observed_sizes,
                                  settling_flags)
 from audit.layouts.manifest import ProducerManifests, read_manifests
+from audit.producers import split_stem
 from audit.records import KeyInfo
 
 
-_HEX = re.compile(r"[0-9a-fA-F]+")
 _SHARDED_FORMATS = ("tp_shared_lbhnc", "tp_shared_lbnhc")
 
 
@@ -143,9 +142,8 @@ class CheckPlan:
         """Keys that differ only in their chunk hash share a layout: parse one key per stem."""
         if not self.layouts:
             return None
-        stem, _, tail = key.name.rpartition("@")
-        if not _HEX.fullmatch(tail):  # not a chunk hash: this key is not vLLM's, or not like its stem's
-            stem = key.name
+        split = split_stem(key.name)  # no chunk hash: this key is not vLLM's, or not like its stem's
+        stem = key.name if split is None else split[0]
         if stem not in self._cache:
             fields = key.parsed_fields()
             if fields.get("scheme") != "vllm" or fields.get("store_format") in _SHARDED_FORMATS:

@@ -34,6 +34,16 @@ _RANK_NAMES = ("tp_rank", "pcp", "dcp", "pp_rank")
 OPAQUE = {"scheme": "opaque"}
 
 
+_HEX = re.compile(r"[0-9a-fA-F]+")
+
+
+def split_stem(key: str) -> tuple[str, str] | None:
+    """(stem, chunk hash) when the key ends in `@{hex}`, as a vLLM key does: keys of one stem differ
+    only in their chunk hash, so what the stem decides (model, group, ranks) is parsed once a stem."""
+    stem, _, tail = key.rpartition("@")
+    return (stem, tail) if stem and _HEX.fullmatch(tail) else None
+
+
 def vllm_key(model: str, chunk_hash: str, *, tp_rank: int = 0, pcp: int = 0, dcp: int = 0,
              pp_rank: int = 0, group: int | None = 0, cache_prefix: str = "",
              store_namespace: str = "") -> str:

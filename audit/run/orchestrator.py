@@ -21,7 +21,7 @@ from audit.judge.ledger import RecordLedger
 from audit.judge.merge import merge_records
 from audit.judge.plan import CheckPlan
 from audit.run.progress import ScanProgress
-from audit.records import KeyInfo, KeyRecord, Report, Verdict
+from audit.records import KeyRecord, Report, Verdict
 from audit.run.checkpoint import Checkpoint
 from audit.forensics.evidence import EvidenceStore
 from audit.run.scan import scan_keys

@@ -115,10 +115,6 @@ class KeyTable(Sequence):
         for row in (range(len(self._ends)) if self._rows is None else self._rows):
             yield self.name(row)
 
-    def sizes(self) -> Iterator[int | None]:
-        for row in (range(len(self._ends)) if self._rows is None else self._rows):
-            yield self.size(row)
-
     def size_column(self) -> array:
         """Every table row's size (-1: unknown), for array operations over many rows."""
         return self._sizes
@@ -165,17 +161,6 @@ class KeyTable(Sequence):
             setattr(view, name, getattr(self, name))
         view._rows = rows if isinstance(rows, array) else array("Q", rows)
         return view
-
-    def where(self, keep: Callable[[KeyInfo], bool]) -> KeyTable:
-        """The keys for which `keep` holds, as a view."""
-        rows = self.rows()
-        return self.subset(row for row in rows if keep(self.info(row)))
-
-    def nbytes(self) -> int:
-        """What the table holds, in bytes (names and columns; keys kept aside counted roughly)."""
-        columns = (self._ends, self._sizes, self._endpoint, self._address)
-        return (len(self._arena) + sum(column.itemsize * len(column) for column in columns)
-                + 200 * len(self._aside) + (0 if self._rows is None else 8 * len(self._rows)))
 
 
 def as_table(keys: Sequence[KeyInfo]) -> KeyTable:
