@@ -85,7 +85,8 @@ def explain_key(settings: Settings, key: str, plan: CheckPlan) -> dict:
             data = batch.view(batch.slots[0], size).copy() if batch.results[0] == size else None
             inference = _fit_to(plan, info, data)
             record = check_batch(batch, HostChecker(), CheckPlan(plan.layouts, plan.layout_for_all, plan.tables,
-                                                                 keep_regions=True, readings=plan.readings))[0]
+                                                                 keep_regions=True, requests=plan.requests,
+                                                                 readings=plan.readings))[0]
         finally:
             reader.close()
     finally:

@@ -32,3 +32,26 @@ def scan_json(cli_args: list[str], *extra: str) -> tuple[int, dict]:
 
 def by_key(document: dict) -> dict[str, dict]:
     return {record["key"]: record for record in document.get("keys", document["findings"])}
+
+
+def check_in_buffer(values: dict[str, bytes], plan) -> dict:
+    """`check_batch` over `values` laid out in one host buffer (64-byte aligned), as a scan with
+    `plan` would check them once read: key -> its record."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from audit.checks.host import HostChecker
+    from audit.readers.buffers import FetchedBatch, Slot
+    from audit.records import KeyInfo
+    from audit.run.scan import check_batch
+
+    offsets, blobs, offset = [], [], 0
+    for value in values.values():
+        offsets.append(offset)
+        blobs.append(value + bytes(-len(value) % 64))
+        offset += len(blobs[-1])
+    buffer = SimpleNamespace(array=np.frombuffer(b"".join(blobs), dtype=np.uint8).copy())
+    slots = [Slot(KeyInfo(name, len(value)), at) for (name, value), at in zip(values.items(), offsets)]
+    batch = FetchedBatch(slots, [len(value) for value in values.values()], buffer)
+    return {record.key: record for record in check_batch(batch, HostChecker(), plan)}

@@ -1,11 +1,15 @@
 """Values that describe themselves (LMCache's header, its checksum frame), or that their key's
-model config describes (LMCache's values without a header): the layout that description gives
-their bytes, and the verdicts of what it contradicts."""
+model config describes (LMCache's values without a header, SGLang's pages): the layout that
+description gives their bytes, and the verdicts of what it contradicts."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
+from audit.judge.readings import choose_reading
+from audit.layouts.model import Layout
 from audit.producers import HEAD_BYTES, ValueReading, describes_itself, parse_key, producer_of, read_value
 from audit.records import KeyRecord, Verdict
 
@@ -26,13 +30,9 @@ def model_configs(requests) -> dict[str, dict]:
     return {request.name: request.config for request in requests}
 
 
-def _model_name(model) -> str:
-    return str(model or "").rstrip("/").split("/")[-1]
-
-
 def may_be_configured(name: str, configs: dict[str, dict]) -> bool:
     """Whether key `name` may name one of `configs`' models (a cheap look, no parsing)."""
-    return any(f"{model}@" in name for model in configs)
+    return any(model in name for model in configs)
 
 
 def value_reading(name: str, view, configs: dict[str, dict] | None = None,
@@ -46,12 +46,26 @@ def value_reading(name: str, view, configs: dict[str, dict] | None = None,
     if not may_be_configured(name, configs):
         return found
     fields = fields if fields is not None else parse_key(name)
-    config = configs.get(_model_name(fields.get("model")))
     producer = producer_of(fields.get("scheme"))
-    reading = None if config is None or producer is None else producer.read_by_config(fields, _host(view), config)
+    config = producer.model_config(fields, configs) if producer is not None and producer.sized_by_config else None
+    reading = None if config is None else producer.read_by_config(fields, _host(view), config)
     if reading is None or (found is not None and reading.disagreements):
         return found  # nothing the config says, or neither reading fits: the header's
-    return fields, reading
+    return fields, (_chosen(reading, _host(view)) if reading.alternatives else reading)
+
+
+def _chosen(reading: ValueReading, value: np.ndarray) -> ValueReading:
+    """A reading whose size fits several layouts (dtypes), narrowed by the value's bytes: the one
+    they choose, or the ones they cannot tell apart (the key keeps only the verdicts all give)."""
+    layouts = [reading.layout, *reading.alternatives]
+    kept, evidence = choose_reading(layouts, [value])
+    decoded = {**reading.decoded, "reading": {**evidence, "dtypes": [_dtype(layouts[i]) for i in kept]}}
+    return replace(reading, layout=layouts[kept[0]], decoded=decoded,
+                   alternatives=tuple(layouts[i] for i in kept[1:]))
+
+
+def _dtype(layout: Layout) -> str:
+    return next(region.dtype for _, region in layout.regions() if region.kind != "padding")
 
 
 def judge_reading(record: KeyRecord, fields: dict, reading: ValueReading, *, keep: bool = False) -> None:

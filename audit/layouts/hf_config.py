@@ -392,3 +392,41 @@ def layouts_from_hf_config(config: dict, *, model: str, tp_size: int = 1,
     if builder is None:
         return _attention_only(text, options, model_type or "")
     return builder(text, options)
+
+
+def _positive(*numbers) -> bool:
+    return all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in numbers)
+
+
+def attention_kv_shape(config: dict) -> tuple[int, int, int] | None:
+    """(layers, KV heads, head dim) of a config whose every layer keeps plain K and V, for
+    producers other than vLLM that size their KV from it (LMCache, SGLang); None for hybrids
+    (recurrent state), MLA (a latent, not K and V), and configs missing the fields."""
+    text, model_type = model_type_of(config)
+    if model_type in _BUILDERS or (model_type not in ATTENTION_MODEL_TYPES and not _plain_attention_config(text)):
+        return None
+    if any("kv_lora_rank" in name for name in text):  # MLA, whatever its model type says
+        return None
+    try:
+        layers = text["num_hidden_layers"]
+        heads = text.get("num_key_value_heads") or text["num_attention_heads"]
+        head_dim = _head_dim(text)
+    except (KeyError, LayoutError):
+        return None
+    return (layers, heads, head_dim) if _positive(layers, heads, head_dim) else None
+
+
+def mla_latent_shape(config: dict) -> tuple[int, int] | None:
+    """(layers, latent width: ``kv_lora_rank + qk_rope_head_dim``) of an MLA config (DeepSeek
+    V2/V3 and kin), the one row per token and layer an MLA cache keeps; None for any other."""
+    text, _ = model_type_of(config)
+    layers, rank, rope = (text.get(name) for name in ("num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim"))
+    return (layers, rank + rope) if _positive(layers, rank, rope) else None
+
+
+def mixes_sliding_layers(config: dict) -> bool:
+    """Whether some layers attend over a sliding window and others over everything (Gemma 2/3,
+    GPT-OSS): producers that pool the two apart (SGLang) keep fewer layers in each pool."""
+    text, _ = model_type_of(config)
+    kinds = {str(kind) for kind in text.get("layer_types") or ()}
+    return len(kinds) > 1 or text.get("sliding_window_pattern") is not None

@@ -7,7 +7,7 @@ import numpy as np
 
 from audit.producers.base import SCREEN_BYTES, Member, Producer, ValueReading
 from audit.producers.lmcache.producer import LMCache
-from audit.producers.sglang import SGLang
+from audit.producers.sglang.producer import SGLang
 from audit.producers.vllm import OPAQUE, VLLM, split_stem  # split_stem: a key's stem and chunk hash
 
 # vLLM first: a key with vLLM's markers is vLLM's or nobody's. SGLang before LMCache: an SGLang

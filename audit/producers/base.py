@@ -39,12 +39,15 @@ class Disagreement:
 
 @dataclass(frozen=True, slots=True)
 class ValueReading:
-    """What a value says about itself (LMCache's header, a checksum frame): the layout to check
-    its bytes with (None: they contradict it), what was decoded, and what it contradicts."""
+    """What a value says about itself (LMCache's header, a checksum frame), or what its model's
+    config says it holds: the layout to check its bytes with (None: they contradict it), what was
+    decoded, what it contradicts, and the other layouts its size fits as well (another dtype: the
+    bytes choose, `audit.judge.readings`)."""
 
     layout: Layout | None
     decoded: dict
     disagreements: tuple[Disagreement, ...] = ()
+    alternatives: tuple[Layout, ...] = ()
 
 
 class Producer(ABC):
@@ -55,6 +58,7 @@ class Producer(ABC):
     fixed_size = True     # every key of one (family, part, rank) has the same size
     every_part = False    # each chunk holds every part its family shows (one key per layer)
     head_bytes = 0        # the leading bytes `may_describe` looks at
+    sized_by_config = False  # `read_by_config` may read a value by its model's config
 
     @abstractmethod
     def parse(self, key: str) -> dict | None:
@@ -93,6 +97,11 @@ class Producer(ABC):
     def read_value(self, fields: dict, value) -> ValueReading | None:
         """What the value (a uint8 array) says about itself, or None when it says nothing."""
         return None
+
+    def model_config(self, fields: dict, configs: dict[str, dict]) -> dict | None:
+        """The config in `configs` (by model name) of the model the key names: by default the
+        one named as the last path component of its ``model`` field."""
+        return configs.get(str(fields.get("model") or "").rstrip("/").split("/")[-1])
 
     def read_by_config(self, fields: dict, value, config: dict) -> ValueReading | None:
         """What a value that does not describe itself holds, read by `config` (the HuggingFace

@@ -39,8 +39,9 @@ def check_batch(batch: FetchedBatch, checker, plan: CheckPlan, evidence=None) ->
                    for i, (slot, code) in enumerate(zip(batch.slots, batch.results))]
         for i, (fields, reading) in described.items():
             judge_reading(records[i], fields, reading, keep=plan.keep_regions)
-        if plan.readings:
-            _judge_other_readings(batch, checker, plan, readable, layouts, records)
+        others = {i: plan.other_readings(layouts[i]) for i in readable} if plan.readings else {}
+        others.update((i, list(reading.alternatives)) for i, (_, reading) in described.items())
+        _judge_other_readings(batch, checker, plan, others, layouts, records)
         if batch.replicas is not None:  # a peek read: every replica's digest
             for record, rows in zip(records, batch.replicas):
                 judge_replicas(record, rows)
@@ -86,12 +87,13 @@ def _check(batch: FetchedBatch, checker, indexes: list[int], layouts: list) -> d
     return dict(zip(indexes, checker.check_values(batch.buffer.array, items)))
 
 
-def _judge_other_readings(batch: FetchedBatch, checker, plan: CheckPlan, readable: list[int], layouts: list,
+def _judge_other_readings(batch: FetchedBatch, checker, plan: CheckPlan, others: dict[int, list], layouts: list,
                           records: list[KeyRecord]) -> None:
-    """Keys of groups whose reading is undecided: judged again under each other reading, and
-    left with only the verdicts every reading gives."""
-    others = {i: plan.other_readings(layouts[i]) for i in readable}
-    others = {i: rest for i, rest in others.items() if rest and layouts[i].size == batch.slots[i].key.size}
+    """Keys whose reading is undecided (their group's, or their own value's: `others`, index ->
+    the other readings): judged again under each other reading, and left with only the verdicts
+    every reading gives."""
+    others = {i: rest for i, rest in others.items()
+              if rest and layouts[i] is not None and layouts[i].size == batch.slots[i].key.size}
     judged: dict[int, list[KeyRecord]] = {i: [] for i in others}
     for turn in range(max(map(len, others.values()), default=0)):
         indexes = [i for i, rest in others.items() if turn < len(rest)]

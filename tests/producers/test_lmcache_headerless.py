@@ -2,19 +2,14 @@
 kv_heads_per_rank * head_dim]` in the key's dtype, read by the key's model config and checked per
 layer and K/V half as a header-described value is."""
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
-from audit.checks.host import HostChecker
 from audit.judge.plan import CheckPlan
 from audit.judge.values import value_reading
 from audit.layouts.infer import LayoutRequest
 from audit.producers.lmcache.values import kv_shape
-from audit.readers.buffers import FetchedBatch, Slot
-from audit.records import KeyInfo
-from audit.run.scan import check_batch
+from tests.helpers import check_in_buffer
 from tests.producers.writers import kv_chunk, lmcache_key, lmcache_value
 
 MODEL = "/models/tiny-llama"
@@ -40,17 +35,8 @@ def reading(name: str, value: bytes, configs=CONFIGS):
 
 def scan(values: dict[str, bytes], config: dict | None = None) -> dict:
     """check_batch over the values laid out in one host buffer, as a scan with --model-config."""
-    offsets, blobs, offset = [], [], 0
-    for value in values.values():
-        offsets.append(offset)
-        blobs.append(value + bytes(-len(value) % 64))
-        offset += len(blobs[-1])
-    buffer = SimpleNamespace(array=np.frombuffer(b"".join(blobs), dtype=np.uint8).copy())
-    slots = [Slot(KeyInfo(name, len(value)), at) for (name, value), at in zip(values.items(), offsets)]
-    batch = FetchedBatch(slots, [len(value) for value in values.values()], buffer)
     requests = [LayoutRequest(config or llama(), MODEL, block_size=16)]
-    records = check_batch(batch, HostChecker(), CheckPlan(requests=requests, keep_regions=True))
-    return {record.key: record for record in records}
+    return check_in_buffer(values, CheckPlan(requests=requests, keep_regions=True))
 
 
 def test_a_full_chunk_decodes_to_one_region_per_layer_and_half():
@@ -91,13 +77,22 @@ def test_nan_in_one_layers_v_is_nonfinite_naming_the_region():
     assert [(r["segment"], r["nan"]) for r in record.evidence["nonfinite"]["regions"]] == [("v.layers.1", True)]
 
 
-@pytest.mark.parametrize("size", [262_144 - 4096 + 3, 262_144 + 1024, 0])
-def test_a_size_not_a_whole_number_of_tokens_up_to_a_chunk_is_a_size_mismatch(size):
+def test_a_chunk_size_above_lmcache_default_is_legitimate():
+    # `chunk_size: 512` is not in the key: 512 tokens are a whole chunk, not too many.
+    value = lmcache_value(kv_chunk(np.random.default_rng(4), tokens=512), header=False)
+    found = reading(key(), value)
+    assert found.disagreements == () and found.decoded["headerless"]["shape"] == [2, 2, 512, 64]
+    assert scan({key(): value})[key()].verdicts == []
+
+
+@pytest.mark.parametrize("size", [262_144 - 4096 + 3, 262_144 + 1000, 0])
+def test_a_size_not_a_whole_number_of_tokens_is_a_size_mismatch(size):
     value = lmcache_value(kv_chunk(np.random.default_rng(3), tokens=257), header=False)[:size]
     found = reading(key(), value)
     assert found.layout is None and [d.kind for d in found.disagreements] == ["size"]
     evidence = found.disagreements[0].evidence
-    assert evidence["value_size"] == size and evidence["bytes_per_token"] == 1024 and evidence["max_tokens"] == 256
+    assert evidence["value_size"] == size and evidence["bytes_per_token"] == 1024
+    assert evidence["expected_size"] == "a positive multiple of 1024"
     if size:
         record = scan({key(): value})[key()]
         assert record.verdicts == ["SIZE_MISMATCH"]

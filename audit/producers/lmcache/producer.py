@@ -19,6 +19,7 @@ class LMCache(Producer):
     fixed_size = False   # with `save_unfull_chunk`, the last chunk of a prompt is shorter
     every_part = True    # a layerwise chunk has every layer; an ObjectKey's, every object group
     head_bytes = HEAD_BYTES
+    sized_by_config = True  # values without a header
 
     def parse(self, key: str) -> dict | None:
         return parse_lmcache_key(key)

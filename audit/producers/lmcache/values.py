@@ -7,15 +7,14 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from audit.layouts.hf_config import ATTENTION_MODEL_TYPES, _BUILDERS, _head_dim, _plain_attention_config, model_type_of
-from audit.layouts.model import DTYPE_SIZES, Layout, LayoutError, Region, Segment
+from audit.layouts.hf_config import attention_kv_shape
+from audit.layouts.model import DTYPE_SIZES, Layout, Region, Segment
 from audit.producers.base import Disagreement, ValueReading
 from audit.producers.lmcache.checksum_frame import FRAME_BYTES, read_frame
 from audit.producers.lmcache.header import (FIXED_BYTES, FORMATS, GROUP_BYTES, KEY_DTYPES, KV_FORMATS, MAX_GROUPS,
                                             Group, Header, read_header)
 
 HEAD_BYTES = FIXED_BYTES + GROUP_BYTES * MAX_GROUPS
-CHUNK_TOKENS = 256  # LMCache's default chunk_size: a headerless value holds at most this many tokens
 _ITEMSIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "uint8": 1, "float8_e4m3fn": 1,
               "float8_e5m2": 1}
 
@@ -48,29 +47,20 @@ def _read_header(fields: dict, value) -> ValueReading | None:
 
 def kv_shape(config: dict, world_size: int) -> tuple[int, int, int] | None:
     """(layers, KV heads per worker, head dim) of a plain attention model's config, as LMCache's
-    vLLM connector sizes a worker's KV; None for what it does not describe so: hybrids (recurrent
-    state), MLA (a latent, not K and V), configs missing the fields."""
-    text, model_type = model_type_of(config)
-    if model_type in _BUILDERS or (model_type not in ATTENTION_MODEL_TYPES and not _plain_attention_config(text)):
+    vLLM connector sizes a worker's KV (vLLM replicates heads above the head count); None for
+    what it does not describe so (see `attention_kv_shape`)."""
+    shape = attention_kv_shape(config)
+    if shape is None:
         return None
-    if any("kv_lora_rank" in name for name in text):  # MLA, whatever its model type says
-        return None
-    try:
-        layers = text["num_hidden_layers"]
-        heads = text.get("num_key_value_heads") or text["num_attention_heads"]
-        head_dim = _head_dim(text)
-    except (KeyError, LayoutError):
-        return None
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (layers, heads, head_dim)):
-        return None
-    return layers, max(1, heads // max(world_size, 1)), head_dim  # vLLM's replicated heads above the head count
+    layers, heads, head_dim = shape
+    return layers, max(1, heads // max(world_size, 1)), head_dim
 
 
-def read_headerless_value(fields: dict, value, config: dict, chunk_tokens: int = CHUNK_TOKENS) -> ValueReading | None:
+def read_headerless_value(fields: dict, value, config: dict) -> ValueReading | None:
     """A value without a header read as the KV its key's model config says (`KV_2LTD` `[2, layers,
     tokens, kv_heads_per_rank * head_dim]` in the key's dtype; one layer's `[tokens, 2, hidden]` for a
-    layerwise key). Its size must be a whole number of tokens, 1 to `chunk_tokens` (a prompt's last
-    chunk may be short). None where the config or the key cannot say (see `kv_shape`; ObjectKeys,
+    layerwise key). Its size must be a whole number of tokens: any number, as LMCache's
+    `chunk_size` (256 by default) is not in its key, and a prompt's last chunk may be short. None where the config or the key cannot say (see `kv_shape`; ObjectKeys,
     keys without a dtype LMCache's reader knows)."""
     dtype = KEY_DTYPES.get(fields.get("dtype"))
     world_size = max(fields.get("world_size", 1), 1)
@@ -86,10 +76,9 @@ def read_headerless_value(fields: dict, value, config: dict, chunk_tokens: int =
     tokens, rest = divmod(size, per_token)
     described = {"format": "KV_T2D" if layerwise else "KV_2LTD", "dtype": dtype, "layers": layers,
                  "kv_heads_per_rank": heads, "head_dim": head_dim, "bytes_per_token": per_token}
-    if rest or not 0 < tokens <= chunk_tokens:
+    if rest or not tokens:
         evidence = {"value_size": size, "bytes_per_token": per_token, "tokens": round(size / per_token, 3),
-                    "max_tokens": chunk_tokens, "expected_size": f"a multiple of {per_token} up to "
-                                                                 f"{per_token * chunk_tokens}"}
+                    "expected_size": f"a positive multiple of {per_token}"}
         return ValueReading(None, {"headerless": described}, (Disagreement("size", evidence),))
     hidden = heads * head_dim
     described["shape"] = [tokens, 2, hidden] if layerwise else [2, layers, tokens, hidden]

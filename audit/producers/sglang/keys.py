@@ -1,5 +1,5 @@
 """SGLang HiCache's MooncakeStore (0.5.23 `mem_cache/storage/mooncake_store/mooncake_store.py`):
-its key names, its chunks and its warm-up key.
+its key names and its warm-up key.
 
 A key is ``[{tag}_{model with / as -}_]{page_hash}_{ranks}_{object}``. The ranks are an MHA pool's
 ``{tp}`` or ``{tp}_{pp}`` (its K/V, Mamba and SWA pools' keys), or an MLA pool's ``""``, ``{pp}``,
@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import re
 
-from audit.producers.base import Member, Producer, match_fields
+from audit.producers.base import match_fields
 
+SCHEME = "sglang"
 WARMUP_BYTES = 4096  # `MooncakeStore.warmup`: bytes(4 * 1024)
 _WARMUP = re.compile(r"^sglang_mooncake_store_warmup_key[0-9a-f]{32}$")
 # Objects: an MHA pool's halves (`k`, `v`; draft, SWA and other side pools' `{pool}_k`/`_v`), the
@@ -30,7 +31,7 @@ _KEY = re.compile(
 _INTEGERS = frozenset({"dcp_rank", "cp_rank", "pp_of_dcp", "first", "second"})
 # Objects only an MHA pool writes (its rank suffix is `{tp}[_{pp}]`), and objects either pool writes.
 _MHA_ONLY = re.compile(r"^(?:.*_)?v$|^(?:swa|draft_swa|auxiliary_swa)_k$|^temporal$|^conv_\d+$")
-_EITHER = frozenset({"k", "draft_k"})
+EITHER = frozenset({"k", "draft_k"})  # `{hash}_{n}_{part}`: n is a TP rank or a PP stage
 
 
 def _ranks(fields: dict) -> None:
@@ -42,40 +43,17 @@ def _ranks(fields: dict) -> None:
         fields["tp_rank"], fields["pp_rank"] = first, second
     elif first is not None:
         part = fields["part"]
-        name = "tp_rank" if _MHA_ONLY.match(part) else "shard" if part in _EITHER else "pp_rank"
+        name = "tp_rank" if _MHA_ONLY.match(part) else "shard" if part in EITHER else "pp_rank"
         fields[name] = first
 
 
-class SGLang(Producer):
-    """A page's K and V (and its Mamba states) are members of one chunk; the warm-up key is a probe."""
-
-    scheme = "sglang"
-
-    def parse(self, key: str) -> dict | None:
-        if _WARMUP.match(key):
-            return {"scheme": self.scheme, "warmup": True}
-        if match := _KEY.match(key):
-            fields = match_fields(match, self.scheme, _INTEGERS)
-            _ranks(fields)
-            return fields
-        return None
-
-    def member(self, fields: dict) -> Member | None:
-        if "page_hash" not in fields:
-            return None
-        family = (self.scheme, fields.get("prefix", ""))
-        chunk = (*family, fields["page_hash"], fields.get("pp_rank", 0))
-        rank = (fields.get("tp_rank", fields.get("shard", 0)), fields.get("dcp_rank", 0), fields.get("cp_rank", 0))
-        return Member(family, chunk, fields["part"], rank)
-
-    def member_fields(self, part, rank: tuple) -> dict:
-        tp, dcp, cp = rank
-        fields = {"part": part, ("shard" if part in _EITHER else "tp_rank"): tp}
-        if dcp or cp:
-            fields.update(dcp_rank=dcp, cp_rank=cp)
+def parse_sglang_key(key: str) -> dict | None:
+    """The key's fields (``page_hash``, ``part``, ranks, ``prefix``), ``{"warmup": True}`` for the
+    store's warm-up key, or None when the key is not SGLang's."""
+    if _WARMUP.match(key):
+        return {"scheme": SCHEME, "warmup": True}
+    if match := _KEY.match(key):
+        fields = match_fields(match, SCHEME, _INTEGERS)
+        _ranks(fields)
         return fields
-
-    def probe(self, fields: dict, size: int | None, zero: bool | None) -> str | None:
-        if fields.get("warmup") and size == WARMUP_BYTES and zero:
-            return "SGLang's store warm-up key: 4 KiB of zeros written at every store start"
-        return None
+    return None
