@@ -18,6 +18,7 @@ _VERDICTS = {"size": (Verdict.SIZE_MISMATCH, "size_mismatch"),
              "identity": (Verdict.IDENTITY_SUSPECT, "value_identity"),
              "checksum": (Verdict.CHECKSUM_MISMATCH, "checksum_mismatch")}
 IDENTITY_EVIDENCE = "value_identity"
+SAMPLE_BYTES = 16 << 10  # the leading bytes of a value its dtype is chosen by: 4k numbers or more
 
 
 def _host(view) -> np.ndarray:
@@ -58,7 +59,7 @@ def _chosen(reading: ValueReading, value: np.ndarray) -> ValueReading:
     """A reading whose size fits several layouts (dtypes), narrowed by the value's bytes: the one
     they choose, or the ones they cannot tell apart (the key keeps only the verdicts all give)."""
     layouts = [reading.layout, *reading.alternatives]
-    kept, evidence = choose_reading(layouts, [value])
+    kept, evidence = choose_reading(layouts, [value[:SAMPLE_BYTES]])
     decoded = {**reading.decoded, "reading": {**evidence, "dtypes": [_dtype(layouts[i]) for i in kept]}}
     return replace(reading, layout=layouts[kept[0]], decoded=decoded,
                    alternatives=tuple(layouts[i] for i in kept[1:]))

@@ -167,8 +167,8 @@ def sglang_pages(tag: str, seed: int) -> dict:
     return {name: rng.integers(1, 255, 2048, dtype=np.uint8).tobytes() for name in names}
 
 
-def _scan_with_warmup_keys(cli_args, namespace):
-    return scan_json(cli_args, "--match", f"^({namespace}|sglang_mooncake_store_warmup_key)", "--all")
+def _scan_with_warmup_keys(cli_args, namespace, *extra):
+    return scan_json(cli_args, "--match", f"^({namespace}|sglang_mooncake_store_warmup_key)", "--all", *extra)
 
 
 def test_a_clean_sglang_store_with_its_warmup_key_scans_clean(publisher, cli_args, namespace):
@@ -196,16 +196,53 @@ def test_zero_pages_beside_sglang_keys_are_flagged(publisher, cli_args, namespac
 
 
 @pytest.mark.skipif(not os.environ.get("SGLANG_PYTHON"), reason="SGLANG_PYTHON: a Python with sglang==0.5.23")
-def test_sglangs_own_store_writes_what_the_audit_expects(cluster, cli_args, namespace):
+def test_sglangs_own_store_writes_what_the_audit_expects(cluster, cli_args, namespace, tmp_path):
     run = subprocess.run([os.environ["SGLANG_PYTHON"], str(SGLANG_STORE), cluster.master_address,
                           cluster.metadata_url, namespace], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
     assert run.returncode == 0, run.stderr[-2000:]
-    assert json.loads(run.stdout.strip().splitlines()[-1])["pages"] == PAGES
+    printed = json.loads(run.stdout.strip().splitlines()[-1])
+    assert printed["pages"] == PAGES
+    setups = printed["setups"]
+    # SGLang's own host pools (bfloat16, pages of 4 tokens): one page of one rank's K (or V).
+    assert {name: setup["value_bytes"] for name, setup in setups.items()} == {
+        "mha-tp2": 1024, "mha-direct": 2048, "mla": 1280, "mla-pp2": 640}
+    for setup in setups.values():
+        row = setup["kv_cache_dim"] if setup["mla"] else setup["kv_heads_per_rank"] * setup["head_dim"]
+        assert setup["value_bytes"] == setup["page_tokens"] * setup["layers_per_rank"] * row * 2
     code, document = _scan_with_warmup_keys(cli_args, namespace)
-    written = {record["key"]: record["size"] for record in document["keys"] if record["key"].startswith(namespace)}
-    assert written == {name: 2048 for name in sglang_pages(namespace, 0)}
-    assert code == 0 and document["summary"]["verdicts"]["WARMUP_KEY"] >= 5  # one per store start
+    records = {record["key"]: record for record in document["keys"] if record["key"].startswith(namespace)}
+    direct = [f"{namespace}mha-direct_Qwen-Qwen3-0.6B_{page}_0_{half}" for page in PAGES for half in "kv"]
+    expected = {name: setups[name[len(namespace):].split("_", 1)[0]]["value_bytes"]
+                for name in [*sglang_pages(namespace, 0), *direct]}
+    assert {key: record["size"] for key, record in records.items()} == expected
+    # The bytes the audit read are the pages the script sliced out of the host pool by its layout.
+    assert {key: record["xxh3"] for key, record in records.items()} == printed["xxh3"]
+    assert code == 0 and document["summary"]["verdicts"]["WARMUP_KEY"] >= 6  # one per store start
+
+    # By the model's config (the script's geometry): SGLang's own MHA pages sized and read as the
+    # bfloat16 they are, at TP 2 and TP 1, page_first and page_first_direct; MLA pages under an
+    # MHA config are left to their bytes (`__k`) or fit as bytes do. Clean: exit 0.
+    model = tmp_path / "Qwen3-0.6B"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 64,
+        "num_hidden_layers": 2, "torch_dtype": "bfloat16"}))
+    code, document = _scan_with_warmup_keys(cli_args, namespace, "--model-config", str(model))
+    assert code == 0 and document["findings"] == []
+    decoded = {record["key"]: record["evidence"].get("decoded", {}) for record in document["keys"]
+               if record["key"].startswith(namespace)}
+    for key, found in decoded.items():
+        setup = setups[key[len(namespace):].split("_", 1)[0]]
+        if setup["mla"]:
+            continue
+        row = setup["kv_heads_per_rank"] * setup["head_dim"]
+        assert {"bytes_per_number": 2, "page_tokens": 4, "layers": 2, "numbers_per_token_and_layer": row} \
+            in found["sglang_page"]["fits"], key
+        assert found["reading"]["dtypes"][0] == "bfloat16" and "float32" not in found["reading"]["dtypes"], key
+    # 12 at TP 2, 6 direct, and mla-pp2's 6 `_{n}_k`: an MHA config reads n as a TP rank (the
+    # model's name is the test's, shared by both pools); `__k` is no MHA pool's, and left alone.
+    assert sum("sglang_page" in found for found in decoded.values()) == 24
 
 
 @pytest.mark.parametrize("kv_heads, verdict, code", [(1, "EXPECTED_DUPLICATE", 0), (2, "SHARED_CONTENT", 1)])
@@ -260,5 +297,5 @@ def test_headerless_values_are_read_by_the_model_config(publisher, cli_args, nam
     assert document["summary"]["expected_duplicate_groups"] == 3
     assert [r["segment"] for r in found[key(0xF2)]["evidence"]["nonfinite"]["regions"]] == ["v.layers.1"]
     assert found[key(0xF3)]["evidence"]["size_mismatch"] == {
-        "value_size": 261_144, "bytes_per_token": 1024, "tokens": 255.023, "max_tokens": 256,
-        "expected_size": "a multiple of 1024 up to 262144"}
+        "value_size": 261_144, "bytes_per_token": 1024, "tokens": 255.023,
+        "expected_size": "a positive multiple of 1024"}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from audit.judge.plan import CheckPlan
-from audit.judge.values import value_reading
+from audit.judge.values import SAMPLE_BYTES, value_reading
 from audit.layouts.infer import LayoutRequest
 from audit.producers.sglang.pages import page_geometry
 from tests.helpers import check_in_buffer
@@ -160,3 +160,14 @@ def test_a_page_of_nothing_but_nan_or_inf_is_nonfinite_under_every_dtype(pattern
     record = scan({f"{PREFIX}_{PAGE}_0_k": value}, qwen())[f"{PREFIX}_{PAGE}_0_k"]
     assert record.verdicts == [Verdict.NONFINITE]
     assert len(record.evidence["decoded"]["reading"]["dtypes"]) >= 2
+
+
+def test_a_large_page_is_read_by_its_leading_bytes_and_checked_whole():
+    # Twice SAMPLE_BYTES of float32 (2 layers x 2 heads x 64, a whole number of tokens): the dtype
+    # is chosen from the first SAMPLE_BYTES, and the NaN past them is still found.
+    value = bytearray(page(np.random.default_rng(8), SAMPLE_BYTES // 2, bfloat16=False))
+    value[-4:] = np.array([np.nan], dtype=np.float32).tobytes()
+    found = reading(f"{PREFIX}_{PAGE}_0_k", bytes(value))
+    assert len(value) == 2 * SAMPLE_BYTES and found.decoded["reading"]["dtypes"] == ["float32"]
+    record = scan({f"{PREFIX}_{PAGE}_0_k": bytes(value)}, qwen())[f"{PREFIX}_{PAGE}_0_k"]
+    assert record.verdicts == [Verdict.NONFINITE]
