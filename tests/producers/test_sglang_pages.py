@@ -119,6 +119,15 @@ def test_heads_per_rank_follow_the_rank_in_the_key():
     assert page_geometry({"part": "v", "tp_rank": 0, "pp_rank": 1}, qwen()).layers == (1,)
 
 
+def test_a_v_page_of_a_model_with_another_v_head_dim_is_sized_by_it():
+    # MiMo-V2-like: K heads of 64, V heads of 32 (SGLang's AsymmetricMHATokenToKVPoolHost).
+    config = qwen(v_head_dim=32)
+    assert page_geometry({"part": "k", "tp_rank": 1}, config).rows == (64,)
+    assert page_geometry({"part": "v", "tp_rank": 1}, config).rows == (32,)
+    value = page(np.random.default_rng(9), 4 * 2 * 32)  # 4 tokens x 2 layers x 1 head x 32
+    assert reading(f"{PREFIX}_{PAGE}_1_v", value, {"Qwen3-0.6B": config}).disagreements == ()
+
+
 @pytest.mark.parametrize("fields, config", [
     ({"part": "draft_k", "tp_rank": 0}, qwen()),                          # a draft model's pool
     ({"part": "swa_k", "tp_rank": 0}, qwen()),                            # SWA pool

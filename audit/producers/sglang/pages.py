@@ -1,7 +1,7 @@
 """An SGLang page as its host KV pool holds it, sized by the model's config.
 
 A key holds one page of one rank's pool: an MHA pool's `k` or `v` half is ``page tokens x layers
-x KV heads per rank x head dim`` numbers, an MLA pool's `k` ``page tokens x layers x
+x KV heads per rank x head dim`` numbers (V's head dim is ``v_head_dim`` where a config has one), an MLA pool's `k` ``page tokens x layers x
 (kv_lora_rank + qk_rope_head_dim)`` (`MHATokenToKVPoolHost` / `MLATokenToKVPoolHost`,
 `get_page_buffer_meta`). `--hicache-mem-layout` orders them token-major (`page_first`, the
 Mooncake default), layer-major (`page_first_direct`) or head-major (`page_head`); the audit reads
@@ -63,8 +63,17 @@ def page_geometry(fields: dict, config: dict) -> PageGeometry | None:
     if shape is None or tp is None:  # an MHA pool's keys always carry its TP rank
         return None
     layers, heads, head_dim = shape
+    head_dim = _v_head_dim(config, head_dim) if fields["part"] == "v" else head_dim
     rows = tuple(per_rank * head_dim for per_rank in _divisors(heads) if per_rank == 1 or heads // per_rank > tp)
     return PageGeometry("MHA", _stage_layers(layers, fields.get("pp_rank")), rows)
+
+
+def _v_head_dim(config: dict, head_dim: int) -> int:
+    """V's head dim: the config's ``v_head_dim`` where it differs from K's (MiMo-V2: SGLang's
+    `AsymmetricMHATokenToKVPoolHost` sizes a V page by it)."""
+    text, _ = model_type_of(config)
+    value = text.get("v_head_dim")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else head_dim
 
 
 def _stage_layers(layers: int, stage: int | None) -> tuple[int, ...]:
