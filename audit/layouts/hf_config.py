@@ -11,6 +11,7 @@ wrong; a config with attention fields only gets the generic K/V layout.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -407,13 +408,21 @@ def attention_kv_shape(config: dict) -> tuple[int, int, int] | None:
         return None
     if any("kv_lora_rank" in name for name in text):  # MLA, whatever its model type says
         return None
+    heads = attention_heads(config)
+    layers = text.get("num_hidden_layers")
+    return (layers, *heads) if heads is not None and _positive(layers) else None
+
+
+def attention_heads(config: dict) -> tuple[int, int] | None:
+    """(KV heads, head dim) of a config's attention layers (vLLM's `get_num_kv_heads` before TP,
+    `get_head_size`), or None where the config does not say."""
+    text, _ = model_type_of(config)
     try:
-        layers = text["num_hidden_layers"]
         heads = text.get("num_key_value_heads") or text["num_attention_heads"]
         head_dim = _head_dim(text)
     except (KeyError, LayoutError):
         return None
-    return (layers, heads, head_dim) if _positive(layers, heads, head_dim) else None
+    return (heads, head_dim) if _positive(heads, head_dim) else None
 
 
 def mla_latent_shape(config: dict) -> tuple[int, int] | None:
@@ -429,4 +438,43 @@ def mixes_sliding_layers(config: dict) -> bool:
     GPT-OSS): producers that pool the two apart (SGLang) keep fewer layers in each pool."""
     text, _ = model_type_of(config)
     kinds = {str(kind) for kind in text.get("layer_types") or ()}
-    return len(kinds) > 1 or text.get("sliding_window_pattern") is not None
+    return ("sliding_attention" in kinds and len(kinds) > 1) or text.get("sliding_window_pattern") is not None
+
+
+@dataclass(frozen=True, slots=True)
+class HybridPools:
+    """A hybrid model's caches on one TP rank, as producers that pool them apart (SGLang) hold
+    them: how many layers keep recurrent state and how many attention KV, and the numbers one
+    layer's states take (``{"conv": n, "ssm": m}``; a short-conv model has no ``ssm``), and the
+    state's family (``mamba1``, ``mamba2``, ``gdn``, ``short_conv``)."""
+
+    state_layers: int
+    attention_layers: int
+    state_numbers: dict
+    family: str
+
+
+def hybrid_pools(config: dict, tp_size: int) -> HybridPools | None:
+    """`HybridPools` of a hybrid config (Mamba, Mamba2, GDN, short-conv layers; with attention or
+    not) at `tp_size`, from the layouts vLLM's rules give it; None for a config of no hybrid
+    family, or whose state does not divide by `tp_size`."""
+    _, model_type = model_type_of(config)
+    if model_type not in _BUILDERS:
+        return None
+    try:
+        layouts = layouts_from_hf_config(config, model="m", tp_size=tp_size, block_size=16)
+    except LayoutError:
+        return None
+    counts = {"state": 0, "attention": 0}
+    numbers: dict = {}
+    family = next(layout.kind for layout in layouts if layout.kind != ATTENTION)
+    for layout in layouts:
+        kind = "attention" if layout.kind == ATTENTION else "state"
+        for segment in layout.segments:
+            if segment.layer < 0:
+                continue
+            counts[kind] += 1
+            for region in segment.regions:
+                if region.kind == "state":
+                    numbers.setdefault(region.name, math.prod(region.shape))
+    return HybridPools(counts["state"], counts["attention"], numbers, family) if counts["state"] else None

@@ -180,3 +180,51 @@ def test_a_large_page_is_read_by_its_leading_bytes_and_checked_whole():
     assert len(value) == 2 * SAMPLE_BYTES and found.decoded["reading"]["dtypes"] == ["float32"]
     record = scan({f"{PREFIX}_{PAGE}_0_k": bytes(value)}, qwen())[f"{PREFIX}_{PAGE}_0_k"]
     assert record.verdicts == [Verdict.NONFINITE]
+
+
+# A Nemotron-H: 2 Mamba2 layers (ssm 8 heads x 16 x 16, conv (128 + 2 x 16) x 3 at TP 1), 1 attention
+# layer of 1 KV head of 64. SGLang's Mamba pool: one state slot a page, its layers back to back.
+NEMOTRON = {"model_type": "nemotron_h", "hidden_size": 64, "dtype": "bfloat16",
+            "layers_block_type": ["linear_attention", "full_attention", "linear_attention", "mlp"],
+            "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 64, "ssm_state_size": 16,
+            "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 1, "conv_kernel": 4}
+HYBRID = {"Nemotron-H-tiny": NEMOTRON}
+HYBRID_PREFIX = "t_nvidia-Nemotron-H-tiny"
+
+
+def test_a_mamba_pools_temporal_page_is_one_segment_per_state_layer():
+    value = page(np.random.default_rng(10), 2 * 2048, bfloat16=False)  # float32 ssm, 2 layers
+    found = reading(f"{HYBRID_PREFIX}_{PAGE}_0_temporal", value, HYBRID)
+    assert found.disagreements == () and found.decoded["sglang_page"]["pool"] == "Mamba"
+    assert [(segment.name, region.kind, region.dtype, region.shape) for segment, region in found.layout.regions()] \
+        == [("layers.0", "state", "float32", (2048,)), ("layers.1", "state", "float32", (2048,))]
+
+
+def test_a_zero_state_layer_in_a_mamba_page_is_partial_zero_and_a_zero_page_zero_state():
+    rng = np.random.default_rng(11)
+    half = bytearray(page(rng, 2 * 2048, bfloat16=False))
+    half[2048 * 4:] = bytes(2048 * 4)  # the second state layer all zero
+    other = f"{0xABC001:064x}"
+    records = scan({f"{HYBRID_PREFIX}_{PAGE}_0_temporal": bytes(half), f"{HYBRID_PREFIX}_{other}_1_temporal":
+                    bytes(2 * 1024 * 4), f"{HYBRID_PREFIX}_{PAGE}_0_conv_0": page(rng, 2 * 480)},
+                   NEMOTRON, "Nemotron-H-tiny")
+    assert records[f"{HYBRID_PREFIX}_{PAGE}_0_temporal"].verdicts == [Verdict.PARTIAL_ZERO]
+    assert records[f"{HYBRID_PREFIX}_{PAGE}_0_temporal"].evidence["partial_zero"]["zero_layers"] == [1]
+    assert Verdict.ZERO_STATE in records[f"{HYBRID_PREFIX}_{other}_1_temporal"].verdicts
+    assert records[f"{HYBRID_PREFIX}_{PAGE}_0_conv_0"].verdicts == []
+
+
+def test_a_hybrids_kv_page_holds_its_attention_layers_only():
+    geometry = page_geometry({"part": "k", "tp_rank": 0}, NEMOTRON)
+    assert (geometry.pool, geometry.layers, geometry.rows) == ("MHA", (1, 2, 3, 4, 5), (64,))
+    value = page(np.random.default_rng(12), 4 * 1 * 64)  # 4 tokens x 1 attention layer x 64
+    assert reading(f"{HYBRID_PREFIX}_{PAGE}_0_k", value, HYBRID).disagreements == ()
+
+
+def test_a_mamba_page_of_no_state_size_is_a_size_mismatch_and_other_conv_states_are_left_alone():
+    found = reading(f"{HYBRID_PREFIX}_{PAGE}_0_temporal", page(np.random.default_rng(13), 2 * 2048)[:-8], HYBRID)
+    assert [d.kind for d in found.disagreements] == ["size"]
+    assert found.disagreements[0].evidence["numbers_per_token_and_layer"] == [256, 512, 1024, 2048]
+    assert page_geometry({"part": "conv_1", "tp_rank": 0}, NEMOTRON) is None  # one conv state per layer
+    # At TP 2 a rank holds half the ssm heads: rank 1 is never TP 1.
+    assert page_geometry({"part": "temporal", "tp_rank": 1}, NEMOTRON).rows == (256, 512, 1024)
