@@ -45,7 +45,8 @@ _SHOWN_FITS = 6  # geometries named in a page's decoded evidence
 class PageGeometry:
     """What a config leaves open about one key's page: its pool, the layer counts its rank's
     stage may hold, the numbers a token (a state slot) and layer may take (heads per rank x head
-    dim, or one layer's state), and what the numbers are (``kv`` or ``state``)."""
+    dim, or one layer's state), the state's family (``attention``: a KV page), and the tokens a
+    page holds where they are fixed."""
 
     pool: str
     layers: tuple[int, ...]
@@ -65,7 +66,7 @@ def page_geometry(fields: dict, config: dict) -> PageGeometry | None:
     part = fields.get("part")
     if "dcp_rank" in fields or mixes_sliding_layers(config):
         return None
-    if hybrid_pools(config, 1) is not None:
+    if _pools(config, 1) is not None:
         return _hybrid_geometry(fields, config)
     if part not in ("k", "v"):
         return None
@@ -96,7 +97,7 @@ def _hybrid_geometry(fields: dict, config: dict) -> PageGeometry | None:
     part, tp, stage = fields.get("part"), fields.get("tp_rank", fields.get("shard")), fields.get("pp_rank")
     if tp is None:
         return None
-    pools = [found for size in TP_SIZES if size > tp and (found := hybrid_pools(config, size)) is not None]
+    pools = [found for size in TP_SIZES if size > tp and (found := _pools(config, size)) is not None]
     if not pools:
         return None
     if part in ("k", "v"):
@@ -112,6 +113,17 @@ def _hybrid_geometry(fields: dict, config: dict) -> PageGeometry | None:
     # `MambaPoolHost.page_size` is 1: a page holds one state slot; an MTP draft's state layers
     # follow the model's.
     return PageGeometry("Mamba", _stage_layers(pools[0].state_layers, stage), rows, pools[0].family, slots=1)
+
+
+_POOLS: dict[tuple[int, int], tuple] = {}  # (id(config), tp) -> (config, its HybridPools): one build a scan
+
+
+def _pools(config: dict, tp_size: int):
+    """`hybrid_pools`, built once per config (a scan's configs live as long as it does)."""
+    cached = _POOLS.get((id(config), tp_size))
+    if cached is None or cached[0] is not config:
+        cached = _POOLS[(id(config), tp_size)] = (config, hybrid_pools(config, tp_size))
+    return cached[1]
 
 
 def _head_dim_of(config: dict, part: str, head_dim: int) -> int:
