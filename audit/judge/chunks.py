@@ -15,7 +15,9 @@ from the producer's own rules, on the listing (every key present, read or not):
   Mamba groups, which `_boundary_puts` writes at once; SGLang's `k` and `v`), learned from the
   family's own chunks (`_companions`). A part that appears only in some of another's chunks (vLLM's
   Mamba groups, only at a prompt's boundary chunk among the attention group's) is no companion of
-  it, so a chunk legitimately lacking a group is never flagged.
+  it, so a chunk legitimately lacking a group is never flagged; nor is a part the producer says it
+  writes at some pages only (`Producer.trailing_only`: SGLang's Mamba and SWA objects), however
+  often the family's chunks happen to hold it.
 
 Identity: a key name says no dtype, layout or weight revision, so two producers can write under
 one name. Within a (family, part, rank), a size other than the dominant one, and two ranks of
@@ -264,10 +266,16 @@ def _judge(index: ChunkIndex) -> ChunkJudgement:
             continue
         family_masks = masks[in_family]
         expected = family_masks.copy()
-        if producer_of(slots.families[family_id][0]).every_part:
+        producer = producer_of(slots.families[family_id][0])
+        if producer.every_part:
             for p in range(len(parts)):
                 expected[:, p // 64] |= np.uint64(1 << (p % 64))
+        trailing = np.zeros(words, dtype=np.uint64)  # parts the producer writes at some pages only
+        for q, part in enumerate(parts):
+            if producer.trailing_only(part):
+                trailing[q // 64] |= np.uint64(1 << (q % 64))
         for p, companion in enumerate(_companion_masks(family_masks, len(parts), words)):
+            companion &= ~trailing
             if companion.any():
                 holds = _bit(family_masks, p).astype(bool)
                 expected[holds] |= companion

@@ -71,6 +71,11 @@ class Producer(ABC):
         """A member named in evidence (e.g. a missing one): its part and rank as key fields."""
         return {}
 
+    def trailing_only(self, part) -> bool:
+        """Whether the producer writes `part` at some of a prompt's pages only (the last ones),
+        so a chunk without it is whole: never expected where another part is."""
+        return False
+
     def content(self, fields: dict) -> tuple | None:
         """What the key's bytes are a function of, leaving out what by design does not change them
         (LMCache's tags, the worker holding a replicated head): keys of equal content may hold

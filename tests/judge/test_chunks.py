@@ -241,3 +241,18 @@ def test_an_sglang_mla_page_expects_every_pipeline_stage():
     keys.remove((f"Qwen3_{1:064x}_1_k", 100))
     judgement = ChunkIndex.of(keys).judge()
     assert judgement.missing == {f"Qwen3_{1:064x}_0_k": [{"part": "k", "shard": 1}]}
+
+
+def test_an_sglang_page_without_its_mamba_states_is_whole_but_states_without_kv_are_not():
+    """SGLang writes a hybrid's Mamba states (and SWA pages) for a prompt's trailing page only:
+    however many of the family's pages hold them, a page without them is whole. A page's states
+    without its `k` and `v` are not."""
+    def page(index: int, parts) -> list:
+        return [(f"t_m_{index:064x}_0_{part}", 100) for part in parts]
+
+    keys = [key for index in range(19) for key in page(index, ("k", "v", "temporal", "conv_0"))]
+    keys += page(19, ("k", "v"))                       # an inner page of a longer prompt
+    keys += page(20, ("temporal", "conv_0", "k"))      # its `v` lost
+    judgement = ChunkIndex.of(keys).judge()
+    assert judgement.missing == {name: [{"part": "v", "tp_rank": 0}] for name, _ in page(20, ("temporal", "conv_0", "k"))}
+    assert judgement.summary["incomplete"] == 1

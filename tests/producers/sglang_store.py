@@ -19,20 +19,44 @@ stage), bfloat16, pages of 4 tokens. One page's value per rank:
     MHA page_first_direct  K (then V): [layers, page_tokens, kv_heads_per_rank, head_dim]
     MLA page_first         K:          [page_tokens, layers, 1, kv_lora_rank + qk_rope_head_dim]
 
+The hybrid set-up ("hybrid", under the name HYBRID_MODEL) is a tiny Nemotron-H: HYBRID_CONFIG,
+loaded by SGLang's own loader (`get_config`, so `NemotronHConfig`), its `mamba2_cache_params` as
+SGLang's `mambaish_config` gives them at TP 1 (2 Mamba2 layers, 1 attention layer). Its device
+pools on "cpu" are SGLang's `MambaPool` and `HybridLinearKVPool` (whose KV sub-pool holds the
+attention layer only); the host pools are built as `build_hybrid_mamba_stack` builds them (the
+KV pool's declared device pool through `_mha_host_inputs`, page_first; `MambaPoolHost`
+page_first, pin_memory off), put in a `HostPoolGroup` of `build_pool_entry` entries and given to
+the store the way `HybridCacheController.attach_storage_backend` does (`register_mem_pool_host`
+of the anchor, then `register_mem_host_pool_v2` for each entry). SGLang's device-to-host copies
+need CUDA kernels, so the host buffers are filled by hand (temporal float32, conv and KV
+bfloat16 randn). `batch_set_v1` puts the KV pages (`_0_k`, `_0_v`) as the controller's
+`_page_backup` does, `batch_set_v2([PoolTransfer(MAMBA, ...)])` each page's state slot
+(`_0_temporal`, `_0_conv_0`: [layers, 1, *state] of one slot, `get_page_buffer_meta`).
+
     python sglang_store.py MASTER METADATA_URL TAG  ->  prints one JSON line: pages, each set-up's
         geometry and value size, and each key's xxh3_64 (hex) of the page sliced out by that layout
 """
 
 import json
+import math
+import os
 import sys
+import tempfile
+import types
 
 import torch
 import xxhash
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.configs import hybrid_arch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName, PoolTransfer
+from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs, build_pool_entry
+from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool, MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.pool_host import HostPoolGroup
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
+from sglang.srt.runtime_context import get_parallel
+from sglang.srt.utils.hf_transformers.config import get_config
 
 MODEL = "Qwen/Qwen3-0.6B"
 PAGE_TOKENS = 4
@@ -52,6 +76,14 @@ SETUPS = [
     ("mla", "page_first", True, [(0, 1, 0, 1)]),
     ("mla-pp2", "page_first", True, [(0, 1, 0, 2), (0, 1, 1, 2)]),
 ]
+HYBRID_MODEL = "nvidia/Nemotron-H-tiny"
+# Nemotron-H's field names (nvidia/NVIDIA-Nemotron-Nano-9B-v2): "MM*" is Mamba2, Mamba2, attention.
+HYBRID_CONFIG = {
+    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "torch_dtype": "bfloat16",
+    "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 3,
+    "hybrid_override_pattern": "MM*", "num_attention_heads": 4, "num_key_value_heads": KV_HEADS,
+    "head_dim": HEAD_DIM, "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 1, "ssm_state_size": 16,
+    "conv_kernel": 4, "expand": 2, "chunk_size": 128, "mamba_hidden_act": "silu", "max_position_embeddings": 4096}
 
 
 def stage_layers(pp_rank: int, pp_size: int) -> range:
@@ -101,24 +133,137 @@ def geometry(name: str, layout: str, mla: bool, ranks, value_bytes: int) -> dict
     return found
 
 
+def _store(master: str, metadata: str, tag: str, name: str, model: str, mla: bool, layout: str,
+           tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1) -> MooncakeStore:
+    extra = {"master_server_address": master, "metadata_server": metadata, "local_hostname": "127.0.0.1",
+             "protocol": "tcp", "global_segment_size": 0, "extra_backend_tag": f"{tag}{name}"}
+    return MooncakeStore(HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=layout == "page_first",
+        model_name=model, extra_config=extra))
+
+
+def hybrid_cache_params():
+    """HYBRID_CONFIG through SGLang's loader and `mambaish_config` at TP 1 (as
+    sglang_mamba_geometry.py): the state config, its `mamba2_cache_params`."""
+    folder = tempfile.mkdtemp(prefix="sglang_store_hybrid_")
+    with open(os.path.join(folder, "config.json"), "w") as file:
+        json.dump(HYBRID_CONFIG, file)
+    with get_parallel().override(tp_size=1, attn_tp_size=1, attn_dp_size=1, attn_cp_size=1,
+                                 enable_cp_tp_group_sharing=False):
+        hf_config = get_config(folder, trust_remote_code=False)
+        model_config = types.SimpleNamespace(hf_config=hf_config, is_draft_model=False,
+                                             linear_attn_registry_result=None)
+        state_config = hybrid_arch.mambaish_config(model_config)
+        return hf_config, state_config, state_config.mamba2_cache_params
+
+
+def hybrid(master: str, metadata: str, tag: str, seed: int, digests: dict) -> dict:
+    """The hybrid set-up: SGLang's KV and Mamba host pools, registered and written as its hybrid
+    cache controller does (see the module's docstring); its geometry."""
+    hf_config, state_config, params = hybrid_cache_params()
+    state_layers = [int(layer) for layer in params.layers]
+    attention_layers = [int(layer) for layer in state_config.full_attention_layer_ids]
+    # Device pools on "cpu": the Mamba state pool (one slot a page here) and the hybrid KV pool.
+    mamba = MambaPool(size=len(PAGES), spec_state_size=0, cache_params=params, mamba_layer_ids=state_layers,
+                      device="cpu")
+    kvcache = HybridLinearKVPool(size=DEVICE_TOKENS, dtype=DTYPE, page_size=PAGE_TOKENS, head_num=KV_HEADS,
+                                 head_dim=HEAD_DIM, full_attention_layer_ids=attention_layers, device="cpu",
+                                 mamba_pool=mamba)
+    (decl,) = kvcache.host_pool_decls()
+    kv_device = decl.device_pool
+    assert decl.pool_name == PoolName.KV and kv_device is kvcache.full_kv_pool
+    assert kv_device.layer_num == len(attention_layers)
+    # Host pools as build_hybrid_mamba_stack builds them (build_kv_host_pool, build_mamba_host_pool).
+    cls, info, mha_kwargs = _mha_host_inputs(kv_device)
+    kv_host = cls(info, 1.0, 0, PAGE_TOKENS, "page_first", pin_memory=False, device="cpu",
+                  allocator_type="default", pool_label="kv", host_token_capacity=HOST_TOKENS, **mha_kwargs)
+    (mamba_info,) = mamba.get_device_pool_infos()
+    mamba_info.buffer_info.validate(layer_ids=mamba_info.layer_ids)
+    mamba_host = MambaPoolHost(mamba_info.buffer_info, 1.0, 0, device_capacity=mamba.size, pin_memory=False,
+                               device="cpu", allocator_type="default", layout="page_first")
+    assert kv_host.layout == mamba_host.layout == "page_first" and kv_host.storage_format_tag is None
+    assert len(mamba_host.conv_buffer) == 1 and mamba_host.num_mamba_layers == len(state_layers)
+    full_mapping = {layer - kvcache.start_layer: index for index, layer in enumerate(attention_layers)}
+    mamba_mapping = {layer - kvcache.start_layer: index for index, layer in enumerate(mamba_info.layer_ids)}
+    transfer_max = max(full_mapping.keys() | mamba_mapping.keys()) + 1
+    group = HostPoolGroup([
+        build_pool_entry(name=PoolName.KV, host_pool=kv_host, device_pool=kv_device, layer_mapping=full_mapping,
+                         transfer_layer_id_max=transfer_max, is_anchor=True),
+        build_pool_entry(name=PoolName.MAMBA, host_pool=mamba_host, device_pool=mamba, layer_mapping=mamba_mapping,
+                         transfer_layer_id_max=transfer_max)])
+    # SGLang's device-to-host copies are CUDA kernels: the host buffers are filled by hand.
+    generator = torch.Generator().manual_seed(seed)
+    kv_host.kv_buffer.copy_(torch.randn(kv_host.kv_buffer.shape, generator=generator).to(DTYPE))
+    mamba_host.temporal_buffer.copy_(torch.randn(mamba_host.temporal_buffer.shape, generator=generator,
+                                                 dtype=torch.float32).to(mamba_host.temporal_dtype))
+    for conv in mamba_host.conv_buffer:
+        conv.copy_(torch.randn(conv.shape, generator=generator).to(mamba_host.conv_dtype))
+
+    store = _store(master, metadata, tag, "hybrid", HYBRID_MODEL, False, "page_first")
+    # HybridCacheController: the anchor through register_mem_pool_host, every entry through v2.
+    store.register_mem_pool_host(group.anchor_entry.host_pool)
+    for entry in group.entries:
+        store.register_mem_host_pool_v2(entry.host_pool, entry.name)
+    assert set(store.registered_pools) == {PoolName.MAMBA}
+    sizes = {}
+    # KV: what batch_set_v1 puts, `_0_k` / `_0_v` of each page.
+    indices = torch.arange(HOST_TOKENS)
+    keys, pointers, element_sizes = store._batch_preprocess(store._tag_keys(PAGES), indices)
+    assert len(keys) == 2 * len(PAGES)
+    for i, (key, pointer, size) in enumerate(zip(keys, pointers, element_sizes)):
+        view = page_view(kv_host, "page_first", False, i // 2, i % 2)
+        assert view.is_contiguous() and view.data_ptr() == pointer and view.nbytes == size, key
+        digests[key] = f"{xxhash.xxh3_64_intdigest(view.view(torch.uint8).numpy()):016x}"
+        sizes.setdefault("kv"[i % 2], set()).add(size)
+    # Mamba: what batch_set_v2 puts, one state slot a page (MambaPoolHost.page_size is 1).
+    slots = torch.arange(len(PAGES))
+    transfer = PoolTransfer(name=PoolName.MAMBA, host_indices=slots, keys=list(PAGES))
+    keys, multiplier = store._get_hybrid_page_component_keys(PAGES, transfer)
+    keys = store._tag_keys(keys)
+    pointers, element_sizes = mamba_host.get_page_buffer_meta(slots)
+    objects = ["temporal", *(f"conv_{i}" for i in range(len(mamba_host.conv_buffer)))]
+    assert multiplier == len(objects) and len(keys) == len(pointers) == len(PAGES) * multiplier
+    for i, (key, pointer, size) in enumerate(zip(keys, pointers, element_sizes)):
+        slot, obj = divmod(i, multiplier)
+        view = mamba_host.temporal_buffer[slot] if obj == 0 else mamba_host.conv_buffer[obj - 1][slot]
+        assert key.endswith(f"_0_{objects[obj]}"), key
+        assert view.is_contiguous() and view.data_ptr() == pointer and view.nbytes == size, key
+        digests[key] = f"{xxhash.xxh3_64_intdigest(view.contiguous().view(torch.uint8).numpy()):016x}"
+        sizes.setdefault(objects[obj], set()).add(size)
+    assert all(store.batch_set_v1(PAGES, indices))
+    assert store.batch_set_v2([transfer]) == {PoolName.MAMBA: [True] * len(PAGES)}
+    store.close()
+    assert all(len(found) == 1 for found in sizes.values()), sizes
+    object_bytes = {name: found.pop() for name, found in sizes.items()}
+    temporal = [int(n) for n in params.shape.temporal]
+    conv = [[int(n) for n in shape] for shape in params.shape.conv]
+    dtype = lambda found: str(found).removeprefix("torch.")  # noqa: E731
+    assert object_bytes["temporal"] == len(state_layers) * math.prod(temporal) * mamba_host.temporal_dtype.itemsize
+    assert object_bytes["conv_0"] == len(state_layers) * math.prod(conv[0]) * mamba_host.conv_dtype.itemsize
+    return {"layout": "page_first", "mla": False, "hybrid": True, "dtype": dtype(DTYPE), "page_tokens": PAGE_TOKENS,
+            "model": HYBRID_MODEL, "config_class": type(hf_config).__name__,
+            "model_layers": int(hf_config.num_hidden_layers), "state_layers": state_layers,
+            "attention_layers": attention_layers, "layers_per_rank": len(attention_layers), "tp_size": 1,
+            "pp_size": 1, "kv_heads": KV_HEADS, "kv_heads_per_rank": KV_HEADS, "head_dim": HEAD_DIM,
+            "temporal_shape": temporal, "temporal_dtype": dtype(mamba_host.temporal_dtype), "conv_shapes": conv,
+            "conv_dtype": dtype(mamba_host.conv_dtype), "mamba_state_slots_per_page": mamba_host.page_size,
+            "objects": ["k", "v", *objects], "value_bytes": object_bytes["k"], "object_bytes": object_bytes,
+            "config": HYBRID_CONFIG}
+
+
 def main(master: str, metadata: str, tag: str) -> tuple[dict, dict]:
     seed = 0
     setups, digests = {}, {}
     for name, layout, mla, ranks in SETUPS:
         sizes = set()
         for tp_rank, tp_size, pp_rank, pp_size in ranks:
-            extra = {"master_server_address": master, "metadata_server": metadata, "local_hostname": "127.0.0.1",
-                     "protocol": "tcp", "global_segment_size": 0, "extra_backend_tag": f"{tag}{name}"}
             pool = host_pool(layout, mla, tp_size, pp_rank, pp_size)
             assert pool.layout == layout and pool.kv_buffer.dtype == DTYPE and pool.storage_format_tag is None
             generator = torch.Generator().manual_seed(seed)
             pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=generator).to(DTYPE))
             seed += 1
-            config = HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
-                                          attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
-                                          enable_storage_metrics=False, is_page_first_layout=layout == "page_first",
-                                          model_name=MODEL, extra_config=extra)
-            store = MooncakeStore(config)
+            store = _store(master, metadata, tag, name, MODEL, mla, layout, tp_rank, tp_size, pp_rank, pp_size)
             store.register_mem_pool_host(pool)
             indices = torch.arange(HOST_TOKENS)
             # What batch_set_v1 puts: SGLang's key names, pointers and sizes; each must be the page the layout names.
@@ -134,6 +279,7 @@ def main(master: str, metadata: str, tag: str) -> tuple[dict, dict]:
             store.close()
         assert len(sizes) == 1, sizes
         setups[name] = geometry(name, layout, mla, ranks, sizes.pop())
+    setups["hybrid"] = hybrid(master, metadata, tag, seed, digests)
     return setups, digests
 
 

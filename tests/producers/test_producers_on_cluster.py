@@ -10,6 +10,7 @@ the same format built here."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -195,34 +196,95 @@ def test_zero_pages_beside_sglang_keys_are_flagged(publisher, cli_args, namespac
     assert code == 1 and {r["key"]: r["verdicts"] for r in document["findings"]} == {name: ["ZERO_VALUE"] for name in zero}
 
 
-@pytest.mark.skipif(not os.environ.get("SGLANG_PYTHON"), reason="SGLANG_PYTHON: a Python with sglang==0.5.23")
-def test_sglangs_own_store_writes_what_the_audit_expects(cluster, cli_args, namespace, tmp_path):
+HYBRID_PREFIX = "hybrid_nvidia-Nemotron-H-tiny"  # sglang_store.py's hybrid set-up: `{tag}hybrid_{model}`
+HYBRID_OBJECTS = ("k", "v", "temporal", "conv_0")
+
+
+def _sglang_store_run(cluster, namespace: str) -> dict:
     run = subprocess.run([os.environ["SGLANG_PYTHON"], str(SGLANG_STORE), cluster.master_address,
                           cluster.metadata_url, namespace], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
     assert run.returncode == 0, run.stderr[-2000:]
-    printed = json.loads(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _hybrid_checks(cli_args, namespace: str, tmp_path: Path, setup: dict) -> None:
+    """The hybrid's pages by its own config (a directory named as the key prefix's model): exit 0,
+    no finding; each state page split per state layer, its KV pages sized by the attention layer."""
+    assert setup["state_layers"] == [0, 1] and setup["attention_layers"] == [2]
+    assert (setup["temporal_dtype"], setup["conv_dtype"], setup["dtype"]) == ("float32", "bfloat16", "bfloat16")
+    model = tmp_path / "Nemotron-H-tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(setup["config"]))
+    code, document = _scan_with_warmup_keys(cli_args, namespace, "--model-config", str(model))
+    assert code == 0 and document["findings"] == [], document["findings"]
+    records = {record["key"]: record for record in document["keys"]
+               if record["key"].startswith(f"{namespace}{HYBRID_PREFIX}_")}
+    assert len(records) == len(PAGES) * len(HYBRID_OBJECTS)
+    states = len(setup["state_layers"])
+    for key, record in records.items():
+        part = key.rsplit("_0_", 1)[1]
+        page = record["evidence"]["decoded"]["sglang_page"]
+        if part in ("temporal", "conv_0"):
+            numbers = math.prod(setup["temporal_shape"] if part == "temporal" else setup["conv_shapes"][0])
+            width = 4 if part == "temporal" else 2
+            assert page["pool"] == "Mamba", key
+            assert {"bytes_per_number": width, "page_tokens": 1, "layers": states,
+                    "numbers_per_token_and_layer": numbers} in page["fits"], key
+            # The reading the record shows: one region a state layer, of equal length.
+            assert record["layout"].startswith("sglang Mamba page"), key
+            regions = record["regions"]
+            assert [row["segment"] for row in regions] == [f"layers.{layer}" for layer in range(states)], key
+            dtype = setup["temporal_dtype"] if part == "temporal" else setup["conv_dtype"]
+            assert {(row["region"], row["kind"], row["dtype"], row["length"]) for row in regions} == {
+                (part, "state", dtype, setup["object_bytes"][part] // states)}, key
+            assert [row["offset"] for row in regions] == [layer * setup["object_bytes"][part] // states
+                                                          for layer in range(states)], key
+        else:
+            # The KV pool holds the attention layer only (1, or up to 4 more packed draft layers);
+            # the evidence names its first fits (float32's come first), the config's 1 layer among them.
+            row = setup["kv_heads_per_rank"] * setup["head_dim"]
+            assert page["pool"] == "MHA" and page["layers"] == [1, 5], key
+            assert row in page["numbers_per_token_and_layer"], key
+            assert any(fit["layers"] == 1 and fit["page_tokens"] == setup["page_tokens"] for fit in page["fits"]), key
+            assert record["size"] == setup["page_tokens"] * 1 * row * 2, key
+            assert page["dtypes"][0] == "bfloat16" and record["evidence"]["decoded"]["reading"]["dtypes"][0] \
+                == "bfloat16", key
+
+
+@pytest.mark.skipif(not os.environ.get("SGLANG_PYTHON"), reason="SGLANG_PYTHON: a Python with sglang==0.5.23")
+def test_sglangs_own_store_writes_what_the_audit_expects(cluster, cli_args, namespace, tmp_path):
+    printed = _sglang_store_run(cluster, namespace)
     assert printed["pages"] == PAGES
     setups = printed["setups"]
     # SGLang's own host pools (bfloat16, pages of 4 tokens): one page of one rank's K (or V).
     assert {name: setup["value_bytes"] for name, setup in setups.items()} == {
-        "mha-tp2": 1024, "mha-direct": 2048, "mla": 1280, "mla-pp2": 640}
+        "mha-tp2": 1024, "mha-direct": 2048, "mla": 1280, "mla-pp2": 640, "hybrid": 1024}
     for setup in setups.values():
         row = setup["kv_cache_dim"] if setup["mla"] else setup["kv_heads_per_rank"] * setup["head_dim"]
         assert setup["value_bytes"] == setup["page_tokens"] * setup["layers_per_rank"] * row * 2
+    # The hybrid's Mamba pool: one state slot a page, [state layers, 1, *state] of temporal (float32) and conv.
+    hybrid = setups["hybrid"]
+    assert hybrid["object_bytes"] == {
+        "k": 1024, "v": 1024,
+        "temporal": len(hybrid["state_layers"]) * math.prod(hybrid["temporal_shape"]) * 4,
+        "conv_0": len(hybrid["state_layers"]) * math.prod(hybrid["conv_shapes"][0]) * 2}
     code, document = _scan_with_warmup_keys(cli_args, namespace)
     records = {record["key"]: record for record in document["keys"] if record["key"].startswith(namespace)}
     direct = [f"{namespace}mha-direct_Qwen-Qwen3-0.6B_{page}_0_{half}" for page in PAGES for half in "kv"]
     expected = {name: setups[name[len(namespace):].split("_", 1)[0]]["value_bytes"]
                 for name in [*sglang_pages(namespace, 0), *direct]}
+    expected |= {f"{namespace}{HYBRID_PREFIX}_{page}_0_{part}": hybrid["object_bytes"][part]
+                 for page in PAGES for part in HYBRID_OBJECTS}
     assert {key: record["size"] for key, record in records.items()} == expected
-    # The bytes the audit read are the pages the script sliced out of the host pool by its layout.
+    # The bytes the audit read are the pages the script sliced out of the host pools by their layout.
     assert {key: record["xxh3"] for key, record in records.items()} == printed["xxh3"]
-    assert code == 0 and document["summary"]["verdicts"]["WARMUP_KEY"] >= 6  # one per store start
+    assert code == 0 and document["summary"]["verdicts"]["WARMUP_KEY"] >= 7  # one per store start
 
     # By the model's config (the script's geometry): SGLang's own MHA pages sized and read as the
     # bfloat16 they are, at TP 2 and TP 1, page_first and page_first_direct; MLA pages under an
-    # MHA config are left to their bytes (`__k`) or fit as bytes do. Clean: exit 0.
+    # MHA config are left to their bytes (`__k`) or fit as bytes do. Clean: exit 0. The hybrid's
+    # keys name another model: this config is not theirs.
     model = tmp_path / "Qwen3-0.6B"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({
@@ -234,7 +296,7 @@ def test_sglangs_own_store_writes_what_the_audit_expects(cluster, cli_args, name
                if record["key"].startswith(namespace)}
     for key, found in decoded.items():
         setup = setups[key[len(namespace):].split("_", 1)[0]]
-        if setup["mla"]:
+        if setup["mla"] or setup.get("hybrid"):
             continue
         row = setup["kv_heads_per_rank"] * setup["head_dim"]
         assert {"bytes_per_number": 2, "page_tokens": 4, "layers": 2, "numbers_per_token_and_layer": row} \
@@ -243,6 +305,9 @@ def test_sglangs_own_store_writes_what_the_audit_expects(cluster, cli_args, name
     # 12 at TP 2, 6 direct, and mla-pp2's 6 `_{n}_k`: an MHA config reads n as a TP rank (the
     # model's name is the test's, shared by both pools); `__k` is no MHA pool's, and left alone.
     assert sum("sglang_page" in found for found in decoded.values()) == 24
+
+    # By the hybrid's own config: its 12 keys, KV and Mamba pools.
+    _hybrid_checks(cli_args, namespace, tmp_path, hybrid)
 
 
 @pytest.mark.parametrize("kv_heads, verdict, code", [(1, "EXPECTED_DUPLICATE", 0), (2, "SHARED_CONTENT", 1)])

@@ -162,6 +162,8 @@ def read_page(fields: dict, value, config: dict) -> ValueReading | None:
     fits = [(width, layers, row, size // (width * layers * row)) for width in widths
             for layers in geometry.layers for row in geometry.rows if size and size % (width * layers * row) == 0
             and geometry.slots in (None, size // (width * layers * row))]
+    stated = _STATE_DTYPES.get(fields["part"]) or _config_dtype(config)
+    fits.sort(key=lambda fit: stated not in DTYPES_BY_WIDTH[fit[0]])  # the likeliest width's first
     described = {"pool": geometry.pool, "layers": [min(geometry.layers), max(geometry.layers)],
                  "numbers_per_token_and_layer": list(geometry.rows), "geometries": len(fits),
                  "fits": [{"bytes_per_number": width, "page_tokens": tokens, "layers": layers,
@@ -171,7 +173,6 @@ def read_page(fields: dict, value, config: dict) -> ValueReading | None:
                     "numbers_per_token_and_layer": list(geometry.rows), "bytes_per_number": list(widths),
                     "expected_size": "page tokens x layers x numbers per token and layer x bytes per number"}
         return ValueReading(None, {"sglang_page": described}, (Disagreement("size", evidence),))
-    stated = _STATE_DTYPES.get(fields["part"]) or _config_dtype(config)
     layouts = []
     for width, layers, row, _ in fits:
         # A state page is split per state layer, one reading per geometry that fits (where they

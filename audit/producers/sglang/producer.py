@@ -30,6 +30,11 @@ class SGLang(Producer):
             fields.update(dcp_rank=dcp, cp_rank=cp)
         return fields
 
+    def trailing_only(self, part) -> bool:
+        """The Mamba pool's states and the SWA pool's pages: `PoolHitPolicy.TRAILING_PAGES`
+        (`describe_l3_object_layout`), written for a prompt's last page(s) only."""
+        return isinstance(part, str) and (part == "temporal" or part.startswith(("conv_", "swa", "draft_swa")))
+
     def probe(self, fields: dict, size: int | None, zero: bool | None) -> str | None:
         if fields.get("warmup") and size == WARMUP_BYTES and zero:
             return "SGLang's store warm-up key: 4 KiB of zeros written at every store start"
