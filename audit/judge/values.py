@@ -9,7 +9,6 @@ from dataclasses import replace
 import numpy as np
 
 from audit.judge.readings import choose_reading
-from audit.layouts.model import Layout
 from audit.producers import HEAD_BYTES, ValueReading, describes_itself, parse_key, producer_of, read_value
 from audit.records import KeyRecord, Verdict
 
@@ -49,10 +48,13 @@ def value_reading(name: str, view, configs: dict[str, dict] | None = None,
     fields = fields if fields is not None else parse_key(name)
     producer = producer_of(fields.get("scheme"))
     config = producer.model_config(fields, configs) if producer is not None and producer.sized_by_config else None
-    reading = None if config is None else producer.read_by_config(fields, _host(view), config)
+    if config is None:
+        return found
+    value = _host(view)
+    reading = producer.read_by_config(fields, value, config)
     if reading is None or (found is not None and reading.disagreements):
         return found  # nothing the config says, or neither reading fits: the header's
-    return fields, (_chosen(reading, _host(view)) if reading.alternatives else reading)
+    return fields, (_chosen(reading, value) if reading.alternatives else reading)
 
 
 def _chosen(reading: ValueReading, value: np.ndarray) -> ValueReading:
@@ -60,13 +62,9 @@ def _chosen(reading: ValueReading, value: np.ndarray) -> ValueReading:
     they choose, or the ones they cannot tell apart (the key keeps only the verdicts all give)."""
     layouts = [reading.layout, *reading.alternatives]
     kept, evidence = choose_reading(layouts, [value[:SAMPLE_BYTES]])
-    decoded = {**reading.decoded, "reading": {**evidence, "dtypes": [_dtype(layouts[i]) for i in kept]}}
+    decoded = {**reading.decoded, "reading": {**evidence, "dtypes": [layouts[i].number_dtype for i in kept]}}
     return replace(reading, layout=layouts[kept[0]], decoded=decoded,
                    alternatives=tuple(layouts[i] for i in kept[1:]))
-
-
-def _dtype(layout: Layout) -> str:
-    return next(region.dtype for _, region in layout.regions() if region.kind != "padding")
 
 
 def judge_reading(record: KeyRecord, fields: dict, reading: ValueReading, *, keep: bool = False) -> None:

@@ -148,6 +148,11 @@ class Layout:
         last = self.segments[-1]
         return last.offset + last.length
 
+    @property
+    def number_dtype(self) -> str:
+        """The dtype its numbers are read in: its first region's that is not padding."""
+        return next(region.dtype for _, region in self.regions() if region.kind != "padding")
+
     def regions(self) -> Iterator[tuple[Segment, Region]]:
         """Every region of the value, in byte order, with the segment holding it."""
         for segment in self.segments:

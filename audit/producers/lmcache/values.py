@@ -60,8 +60,9 @@ def read_headerless_value(fields: dict, value, config: dict) -> ValueReading | N
     """A value without a header read as the KV its key's model config says (`KV_2LTD` `[2, layers,
     tokens, kv_heads_per_rank * head_dim]` in the key's dtype; one layer's `[tokens, 2, hidden]` for a
     layerwise key). Its size must be a whole number of tokens: any number, as LMCache's
-    `chunk_size` (256 by default) is not in its key, and a prompt's last chunk may be short. None where the config or the key cannot say (see `kv_shape`; ObjectKeys,
-    keys without a dtype LMCache's reader knows)."""
+    `chunk_size` (256 by default) is not in its key, and a prompt's last chunk may be short. None
+    where the config or the key cannot say (see `kv_shape`; ObjectKeys, keys without a dtype
+    LMCache's reader knows)."""
     dtype = KEY_DTYPES.get(fields.get("dtype"))
     world_size = max(fields.get("world_size", 1), 1)
     shape = None if "kv_rank" in fields or dtype is None else kv_shape(config, world_size)

@@ -29,7 +29,8 @@ from functools import lru_cache
 
 from audit.layouts.hf_config import (attention_heads, attention_kv_shape, hybrid_pools, mixes_sliding_layers,
                                     mla_latent_shape, model_type_of)
-from audit.layouts.model import Layout, LayoutError, Region, Segment, canonical_dtype
+from audit.layouts.dtypes import config_dtype
+from audit.layouts.model import Layout, LayoutError, Region, Segment
 from audit.producers.base import Disagreement, ValueReading
 
 PACKED_DRAFT_LAYERS = 4
@@ -140,15 +141,11 @@ def _stage_layers(layers: int, stage: int | None) -> tuple[int, ...]:
 
 
 def _config_dtype(config: dict) -> str | None:
-    text, _ = model_type_of(config)
-    for name in ("torch_dtype", "dtype"):
-        value = text.get(name) or config.get(name)
-        if isinstance(value, str):
-            try:
-                return canonical_dtype(value)
-            except LayoutError:
-                return None
-    return None
+    """The checkpoint's dtype (the likeliest reading, not a verdict's ground), None where unknown."""
+    try:
+        return config_dtype(config, model_type_of(config)[0])
+    except LayoutError:
+        return None
 
 
 def read_page(fields: dict, value, config: dict) -> ValueReading | None:
@@ -183,13 +180,9 @@ def read_page(fields: dict, value, config: dict) -> ValueReading | None:
             layout = _page_layout(size, dtype, fields["part"], geometry.pool, geometry.family, split)
             if layout not in layouts and len(layouts) < MAX_READINGS:
                 layouts.append(layout)
-    layouts.sort(key=lambda layout: _dtype_of(layout) != stated)  # the likeliest dtype first
-    described["dtypes"] = list(dict.fromkeys(_dtype_of(layout) for layout in layouts))
+    layouts.sort(key=lambda layout: layout.number_dtype != stated)  # the likeliest dtype first
+    described["dtypes"] = list(dict.fromkeys(layout.number_dtype for layout in layouts))
     return ValueReading(layouts[0], {"sglang_page": described}, alternatives=tuple(layouts[1:]))
-
-
-def _dtype_of(layout: Layout) -> str:
-    return layout.segments[0].regions[0].dtype
 
 
 @lru_cache(maxsize=256)
