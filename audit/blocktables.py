@@ -172,12 +172,18 @@ def _expand(record: dict) -> Iterator[tuple[str, tuple[int, ...], int | None]]:
                boundary)
 
 
+# The recorder's other files in the same directories: consumers' load records (audit.loadrecords)
+# and the load guard's refusals. Neither names a put.
+NOT_PUT_RECORDS = ("loads-", "denied-")
+
+
 def _files(paths: Iterable[Path]) -> Iterator[Path]:
-    """Block-table files; the recorder's manifests beside them are layouts (audit.layouts.manifest)."""
+    """Block-table files; the recorder's manifests beside them are layouts (audit.layouts.manifest),
+    its load and refusal records are not puts."""
     for path in paths:
         path = Path(path)
         if path.is_dir():
-            yield from sorted(p for p in path.rglob("*.jsonl*") if p.is_file())
+            yield from sorted(p for p in path.rglob("*.jsonl*") if p.is_file() and not p.name.startswith(NOT_PUT_RECORDS))
         elif not is_manifest_path(path):
             yield path
 

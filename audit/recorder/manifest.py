@@ -57,6 +57,10 @@ def hook_store_worker(directory: Path) -> bool:
                 logger.info("mooncake-audit manifest written: %s", write_manifest(directory, document))
         except Exception:  # a manifest bug must not cost the producer its caches
             logger.exception("mooncake-audit: cannot write the producer's manifest (block records are unaffected)")
+            document = None
+        describe = getattr(getattr(self, "store", None), "audit_describe", None)
+        if describe is not None and document is not None:
+            describe(document, kv_caches)  # the load guard's regions: a failure here stops a guarded engine
         return result
 
     register_kv_caches.audit_manifest_directory = directory

@@ -3,14 +3,21 @@
 vLLM calls every ``vllm.general_plugins`` entry point in each of its processes before the connector
 builds its store, and the connector looks ``MooncakeDistributedStore`` up in ``mooncake.store`` only
 then; replacing that attribute is enough. Without ``MOONCAKE_AUDIT_RECORD`` or
-``MOONCAKE_AUDIT_GUARD`` this module does nothing and imports nothing else.
+``MOONCAKE_AUDIT_GUARD`` or ``MOONCAKE_AUDIT_LOAD_GUARD`` this module does nothing and imports
+nothing else.
 
 Environment:
-  MOONCAKE_AUDIT_RECORD=DIR         record every published key's block ids into DIR
+  MOONCAKE_AUDIT_RECORD=DIR         record every published key's block ids, and every loaded key's
+                                    request, into DIR
   MOONCAKE_AUDIT_GUARD=1            withhold keys read from the null block (implies recording; into
                                     MOONCAKE_AUDIT_RECORD if set, else default_record_directory())
+  MOONCAKE_AUDIT_LOAD_GUARD=1       check every loaded value before the model reads it and fail the
+                                    request of a bad one into vLLM's own path (implies recording)
+  MOONCAKE_AUDIT_LOAD_GUARD_RECORDS=DIR[:DIR...]
+                                    producers' record directories whose null-backed keys the load
+                                    guard refuses outright (its own directory always counts)
   MOONCAKE_AUDIT_RECORD_MAX_MB=64   start a new file when one would grow past this size
-  MOONCAKE_AUDIT_RECORD_KEEP=0      newest files kept per process (0: keep all)
+  MOONCAKE_AUDIT_RECORD_KEEP=0      newest files kept per process and kind (0: keep all)
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from pathlib import Path
 
 RECORD_ENV = "MOONCAKE_AUDIT_RECORD"
 GUARD_ENV = "MOONCAKE_AUDIT_GUARD"
+LOAD_GUARD_ENV = "MOONCAKE_AUDIT_LOAD_GUARD"
+LOAD_GUARD_RECORDS_ENV = "MOONCAKE_AUDIT_LOAD_GUARD_RECORDS"
 MAX_MB_ENV = "MOONCAKE_AUDIT_RECORD_MAX_MB"
 KEEP_ENV = "MOONCAKE_AUDIT_RECORD_KEEP"
 
@@ -35,6 +44,8 @@ class RecorderSettings:
     guard: bool
     max_bytes: int
     keep_files: int
+    load_guard: bool = False
+    put_records: tuple[Path, ...] = ()  # other directories whose null-backed keys the load guard refuses
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> RecorderSettings | None:
@@ -44,11 +55,13 @@ class RecorderSettings:
         """
         record = env.get(RECORD_ENV, "").strip()
         guard = _flag(env, GUARD_ENV)
-        if not record and not guard:
+        load_guard = _flag(env, LOAD_GUARD_ENV)
+        if not record and not guard and not load_guard:
             return None
+        put_records = tuple(Path(part) for part in env.get(LOAD_GUARD_RECORDS_ENV, "").split(":") if part.strip())
         return cls(directory=Path(record) if record else default_record_directory(env), guard=guard,
                    max_bytes=_count(env, MAX_MB_ENV, 64, minimum=1) << 20,
-                   keep_files=_count(env, KEEP_ENV, 0, minimum=0))
+                   keep_files=_count(env, KEEP_ENV, 0, minimum=0), load_guard=load_guard, put_records=put_records)
 
 
 def default_record_directory(env: Mapping[str, str]) -> Path:
@@ -99,8 +112,21 @@ def install(settings: RecorderSettings) -> type | None:
     from audit.recorder.records import RecordWriter
     from audit.recorder.wrapper import recording_store_class
 
-    writer = RecordWriter(settings.directory, settings.max_bytes, settings.keep_files)
-    mooncake_store.MooncakeDistributedStore = recording_store_class(current, writer, guard=settings.guard)
-    logger.info("mooncake-audit recorder installed: block records in %s, null-block guard %s",
-                settings.directory, "on" if settings.guard else "off")
+    def writer(stem: str) -> RecordWriter:
+        return RecordWriter(settings.directory, settings.max_bytes, settings.keep_files, stem=stem)
+
+    load_guard = None
+    if settings.load_guard:
+        from audit.recorder.deny import DENIED_STEM, DenyList
+        from audit.recorder.guard import LoadGuard
+
+        deny = writer(DENIED_STEM)
+
+        def load_guard() -> LoadGuard:  # one per store: each holds its own consumer's regions
+            return LoadGuard(DenyList(settings.directory, deny, list(settings.put_records)))
+
+    mooncake_store.MooncakeDistributedStore = recording_store_class(
+        current, writer("blocks"), guard=settings.guard, loads=writer("loads"), load_guard=load_guard)
+    logger.info("mooncake-audit recorder installed: put and load records in %s, null-block guard %s, load guard %s",
+                settings.directory, "on" if settings.guard else "off", "on" if settings.load_guard else "off")
     return mooncake_store.MooncakeDistributedStore

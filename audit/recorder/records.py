@@ -1,10 +1,17 @@
-"""The recorder's JSONL files: one per process, append-only, every batch written through, rotated by size.
+"""The recorder's JSONL files: one per process and kind, append-only, every batch written through,
+rotated by size.
 
-One record per published key, in the per-key block-table shape that `audit.blocktables` reads:
+Put records (``blocks-*``): one record per published key, in the per-key block-table shape that `audit.blocktables` reads:
 ``{"key", "block_ids", "rc", "time", "pid", "segments"[, "tp_rank"][, "tenant"]}`` (``tenant`` when the
 client joined one other than Mooncake's default), plus ``"offsets"``, ``"sizes"`` and ``"note"`` when
 the block ids could not be derived (``"block_ids": null``), and ``"withheld": true, "reason":
 "NULL_BLOCK_ID"`` for keys the guard kept out of the store.
+
+Load records (``loads-*``): one record per key a consumer loaded, in the shape `audit.loadrecords`
+reads: ``{"key", "time", "host", "pid", "request_id", "vllm_request_id", "bytes", "rc"[, "tp_rank"]
+[, "tenant"]}``, plus ``"refused": true, "reason"`` for values the load guard kept from the model.
+Deny records (``denied-*``): ``{"key", "time", "reason"}``, one per key the load guard refused,
+read back by every process sharing the directory (`audit.recorder.deny`).
 """
 
 from __future__ import annotations
@@ -60,20 +67,46 @@ def key_lines(keys: Sequence[str], blocks: Sequence[KeyBlocks], results: Sequenc
     return lines
 
 
+def load_lines(keys: Sequence[str], sizes: Sequence[int], results: Sequence[int | None],
+               refused: dict[int, str], request: tuple[str | None, str | None], now: float, pid: int, host: str,
+               error: str | None = None, tenant: str = DEFAULT_TENANT) -> list[str]:
+    """The JSON lines of one load: key i, ``sizes[i]`` bytes asked for, result ``results[i]``
+    (None: the get raised), refused by the guard for ``refused[i]`` where present; `request` is
+    (the API's request id, vLLM's internal one), either None when the load is not a request's."""
+    api_id, vllm_id = request
+    common = (f',"time":{now!r},"host":{_ENCODER.encode(host)},"pid":{pid},'
+              f'"request_id":{_ENCODER.encode(api_id)},"vllm_request_id":{_ENCODER.encode(vllm_id)}')
+    if tenant != DEFAULT_TENANT:
+        common += f',"tenant":{_ENCODER.encode(tenant)}'
+    lines = []
+    for index, (key, size, rc) in enumerate(zip(keys, sizes, results)):
+        line = f'{{"key":{_ENCODER.encode(key)}{common},"bytes":{int(size)},"rc":{"null" if rc is None else int(rc)}'
+        if match := _TP_RANK.search(key):
+            line += f',"tp_rank":{int(match.group(1))}'
+        if index in refused:
+            line += f',"refused":true,"reason":{_ENCODER.encode(refused[index])}'
+        if error is not None:
+            line += f',"error":{_ENCODER.encode(error)}'
+        lines.append(line + "}")
+    return lines
+
+
 class RecordWriter:
     """Appends records to this process's own files in `directory`.
 
-    Files are named ``blocks-{host}-{pid}-{n}.jsonl`` (a shared directory can collect several hosts;
-    concurrent workers never interleave) and created exclusively, so a restarted process that reuses
-    a pid starts a new file. Each batch is one unbuffered append: whole lines reach the OS before the
+    Files are named ``{stem}-{host}-{pid}-{n}.jsonl`` (stem ``blocks``, ``loads`` or ``denied``: a
+    shared directory can collect several hosts; concurrent workers never interleave) and created
+    exclusively, so a restarted process that reuses a pid starts a new file. Each batch is one unbuffered append: whole lines reach the OS before the
     put returns, and a crash loses nothing already written. A file that would grow past `max_bytes`
     is closed and the next one started; with `keep_files` only that many of this process's newest
     files are kept. The first file is opened on the first write, so processes that never publish
     leave nothing behind. Write errors never reach the put: they are logged once and counted.
     """
 
-    def __init__(self, directory: Path, max_bytes: int = DEFAULT_MAX_BYTES, keep_files: int = 0):
+    def __init__(self, directory: Path, max_bytes: int = DEFAULT_MAX_BYTES, keep_files: int = 0,
+                 stem: str = "blocks"):
         self.directory = Path(directory)
+        self.stem = stem
         self.max_bytes = max_bytes
         self.keep_files = keep_files
         self.lost_records = 0
@@ -115,7 +148,7 @@ class RecordWriter:
     def _open_next(self) -> None:
         self.close()
         self.directory.mkdir(parents=True, exist_ok=True)
-        stem = f"blocks-{socket.gethostname()}-{os.getpid()}"
+        stem = f"{self.stem}-{socket.gethostname()}-{os.getpid()}"
         while self._fd is None:  # the first name no earlier process left behind
             path = self.directory / f"{stem}-{self._sequence:04d}.jsonl"
             self._sequence += 1

@@ -1,22 +1,28 @@
-"""A MooncakeDistributedStore subclass that records which block every published key was read from.
+"""A MooncakeDistributedStore subclass that records what a vLLM process puts and loads.
 
 It overrides only what it must see: ``setup`` (to learn the tenant), ``register_buffer`` /
-``unregister_buffer`` (to learn the buffers) and the two zero-copy puts vLLM's connector can use,
-``batch_put_from_multi_buffers`` and ``batch_put_from``. Everything else is the base class's own
-method, untouched. A put's arguments and result pass through unchanged, except under the guard,
-which keeps keys read from vLLM's null block out of the store and reports them to the caller as
-failed puts. Building one also hooks the producer's manifest (`audit.recorder.manifest`).
+``unregister_buffer`` (to learn the buffers), the two zero-copy puts vLLM's connector can use,
+``batch_put_from_multi_buffers`` and ``batch_put_from``, its zero-copy get
+``batch_get_into_multi_buffers`` (and ``batch_get_into``), and, under the load guard,
+``batch_is_exist``. Everything else is the base class's own method, untouched. Arguments and results
+pass through unchanged, except under the guards: the put guard keeps keys read from vLLM's null block
+out of the store and reports them as failed puts; the load guard reports a value it refuses as a
+failed get (`audit.recorder.guard`) and a key it refused as absent from then on. Building one also
+hooks the producer's manifest (`audit.recorder.manifest`) and the connector's receiving thread
+(`audit.recorder.loads`: which request each load serves).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 from contextlib import contextmanager
 
 from audit.recorder.blocks import KeyBlocks, RegisteredRegions
+from audit.recorder.loads import current_request, hook_receiving_thread, note_refusal
 from audit.recorder.manifest import hook_store_worker
-from audit.recorder.records import DEFAULT_TENANT, RecordWriter, key_lines, logger
+from audit.recorder.records import DEFAULT_TENANT, RecordWriter, key_lines, load_lines, logger
 
 # The result reported for a withheld key. vLLM's connector treats any negative result as a failed
 # put: it logs "batch_put failed", keeps the request's saved offset (so the chunk is retried and
@@ -24,16 +30,26 @@ from audit.recorder.records import DEFAULT_TENANT, RecordWriter, key_lines, logg
 # (-600) says what happened; NO_AVAILABLE_HANDLE (-200) would instead make the connector pause the
 # request's later saves as if the store were full.
 WITHHELD_RESULT = -600
+# The result a refused load reports: Mooncake's OBJECT_NOT_FOUND. vLLM's connector fails the load
+# of any negative result (`audit.recorder.loads` makes it fail the whole request), and for the
+# consumer a refused key is as good as absent.
+REFUSED_RESULT = -704
+UNCHECKED = "UNCHECKED"  # the guard itself failed on a value: refused, never denied for good
 SETUP_TENANT_POSITION = 10  # setup()'s 11th positional argument is tenant_id (the dict form has the key)
 
 _withholding_logged = False  # the guard's first withheld key is logged; the records hold every one
 
 
-def recording_store_class(base: type, writer: RecordWriter, *, guard: bool = False) -> type:
-    """`base` (MooncakeDistributedStore or a stand-in) whose puts append block records to `writer`.
+def recording_store_class(base: type, writer: RecordWriter, *, guard: bool = False,
+                          loads: RecordWriter | None = None, load_guard=None) -> type:
+    """`base` (MooncakeDistributedStore or a stand-in) whose puts append block records to `writer`
+    and whose loads append load records to `loads`.
 
-    With `guard`, keys with any segment at the null block are withheld (see WITHHELD_RESULT).
+    With `guard`, keys with any segment at the null block are withheld (see WITHHELD_RESULT). With
+    `load_guard` (a callable making an `audit.recorder.guard.LoadGuard`), loaded values it refuses
+    are failed (REFUSED_RESULT), and a refused key is absent for ``batch_is_exist``.
     """
+    host = socket.gethostname()
 
     class RecordingStore(base):
         __doc__ = f"{base.__name__} recording block ids of published keys (mooncake-audit)."
@@ -44,7 +60,15 @@ def recording_store_class(base: type, writer: RecordWriter, *, guard: bool = Fal
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.audit_regions = RegisteredRegions()
-            hook_store_worker(writer.directory)  # the connector's worker builds its store: describe it later
+            # the connector's worker builds its store: describe it later, see which request loads
+            hook_store_worker(writer.directory)
+            hook_receiving_thread(required=load_guard is not None)
+            self.audit_load_guard = load_guard() if load_guard is not None else None
+
+        def audit_describe(self, document: dict, kv_caches: dict) -> None:
+            """The consumer's own manifest (`audit.recorder.manifest`): the load guard's regions."""
+            if self.audit_load_guard is not None:
+                self.audit_load_guard.describe(document, kv_caches)
 
         def setup(self, *args, **kwargs):
             result = super().setup(*args, **kwargs)
@@ -69,6 +93,66 @@ def recording_store_class(base: type, writer: RecordWriter, *, guard: bool = Fal
         def batch_put_from(self, keys, buffer_ptrs, sizes, *args, **kwargs):
             return self._audit_put(super().batch_put_from, keys, buffer_ptrs, sizes,
                                    [[ptr] for ptr in buffer_ptrs], [[size] for size in sizes], args, kwargs)
+
+        def batch_get_into_multi_buffers(self, keys, all_buffer_ptrs, all_sizes, *args, **kwargs):
+            return self._audit_load(super().batch_get_into_multi_buffers, keys, all_buffer_ptrs, all_sizes,
+                                    all_buffer_ptrs, all_sizes, args, kwargs)
+
+        def batch_get_into(self, keys, buffer_ptrs, sizes, *args, **kwargs):
+            return self._audit_load(super().batch_get_into, keys, buffer_ptrs, sizes,
+                                    [[ptr] for ptr in buffer_ptrs], [[size] for size in sizes], args, kwargs)
+
+        def batch_is_exist(self, keys, *args, **kwargs):
+            results = super().batch_is_exist(keys, *args, **kwargs)
+            if self.audit_load_guard is None:
+                return results
+            refused = self.audit_load_guard.known(keys)
+            if not refused:
+                return results
+            results = list(results)
+            for index in refused:
+                results[index] = 0
+            return results
+
+        def _audit_load(self, get, keys, ptrs, sizes, segment_ptrs, segment_sizes, args, kwargs):
+            """Load through `get`, check what landed under the load guard, record one line per key."""
+            guard_ = self.audit_load_guard
+            refused = guard_.known(keys) if guard_ is not None else {}
+            try:
+                results = _get_except(get, refused, keys, ptrs, sizes, args, kwargs)
+            except Exception as error:
+                self._audit_record_loads(keys, segment_sizes, [None] * len(keys), refused,
+                                         f"{type(error).__name__}: {error}")
+                raise
+            if guard_ is not None:
+                try:
+                    found = guard_.check(keys, segment_ptrs, segment_sizes, results)
+                except Exception:
+                    # a value the guard cannot judge is not handed to the model unjudged (nor denied later)
+                    logger.exception("mooncake-audit load guard: cannot check loaded values; the batch is refused")
+                    found = {i: UNCHECKED for i, rc in enumerate(results) if rc is not None and rc >= 0}
+                refused = {**refused, **found}
+                if refused:
+                    results = list(results)
+                    for index, reason in refused.items():
+                        results[index] = REFUSED_RESULT
+                        if index in found and reason != UNCHECKED:
+                            guard_.deny.deny(keys[index], reason)
+                    _log_refusals(keys, refused, current_request()[1])
+                    guard_.refusals += len(refused)
+                    note_refusal()
+            self._audit_record_loads(keys, segment_sizes, results, refused)
+            return results
+
+        def _audit_record_loads(self, keys, segment_sizes, results, refused, error: str | None = None) -> None:
+            if loads is None:
+                return
+            try:
+                asked = [sum(sizes) for sizes in segment_sizes]
+                loads.write(load_lines(keys, asked, results, refused, current_request(), time.time(), os.getpid(),
+                                       host, error, tenant=self.audit_tenant))
+            except Exception:
+                logger.exception("mooncake-audit: cannot record a load")
 
         def _audit_put(self, put, keys, ptrs, sizes, segment_ptrs, segment_sizes, args, kwargs):
             """Publish through `put` and record one line per key; recording never fails the put."""
@@ -128,6 +212,25 @@ def _put_except(put, withheld: set[int], keys, ptrs, sizes, args, kwargs) -> lis
         for index, result in zip(kept, stored):
             results[index] = result
     return results
+
+
+def _get_except(get, refused: dict[int, str], keys, ptrs, sizes, args, kwargs) -> list[int]:
+    """`get`'s results for all keys; the `refused` ones are not asked for and get REFUSED_RESULT."""
+    if not refused:
+        return list(get(keys, ptrs, sizes, *args, **kwargs))
+    kept = [index for index in range(len(keys)) if index not in refused]
+    results = [REFUSED_RESULT] * len(keys)
+    if kept:
+        loaded = get([keys[i] for i in kept], [ptrs[i] for i in kept], [sizes[i] for i in kept], *args, **kwargs)
+        for index, result in zip(kept, loaded):
+            results[index] = result
+    return results
+
+
+def _log_refusals(keys, refused: dict[int, str], request_id: str | None) -> None:
+    """Every refusal under vLLM's logger: a refused load costs a recompute, an operator should see why."""
+    for index, reason in refused.items():
+        logger.warning("mooncake-audit load guard: refused %s (%s) for request %s", keys[index], reason, request_id)
 
 
 @contextmanager

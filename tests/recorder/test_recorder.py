@@ -261,7 +261,8 @@ def test_keys_placed_differently_in_one_put_are_each_exact(tmp_path):
 def test_other_calls_pass_through(open_recording_store, record_dir, namespace):
     store = open_recording_store(guard=True)
     recording_class = type(store)
-    overridden = {"setup", "register_buffer", "unregister_buffer", "batch_put_from_multi_buffers", "batch_put_from"}
+    overridden = {"setup", "register_buffer", "unregister_buffer", "batch_put_from_multi_buffers", "batch_put_from",
+                  "batch_get_into_multi_buffers", "batch_get_into", "batch_is_exist"}
     assert isinstance(store, ORIGINAL_STORE)
     assert store.audit_tenant == "default"  # setup passed through, no tenant asked for
     for name in dir(ORIGINAL_STORE):
@@ -278,7 +279,12 @@ def test_other_calls_pass_through(open_recording_store, record_dir, namespace):
     assert target.tobytes() == value
     assert store.unregister_buffer(target.ctypes.data) == 0
     assert store.remove(key, force=True) == 0 and store.is_exist(key) == 0  # force: the reads hold a lease
-    assert not record_dir.exists()  # only the zero-copy puts are recorded
+    # only the zero-copy puts and gets are recorded: here one load, served to no request
+    (loads,) = record_dir.glob("loads-*.jsonl")
+    (line,) = [json.loads(text) for text in loads.read_text().splitlines()]
+    assert {k: line[k] for k in ("key", "bytes", "rc", "request_id", "vllm_request_id")} == {
+        "key": key, "bytes": len(value), "rc": len(value), "request_id": None, "vllm_request_id": None}
+    assert sorted(p.name.split("-")[0] for p in record_dir.iterdir()) == ["loads"]
 
 
 def test_put_arguments_and_result_pass_through_unchanged(tmp_path):
