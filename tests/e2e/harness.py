@@ -90,6 +90,9 @@ class EngineRun:
     def cached(self, batch: int) -> list[int]:
         return [p["cached_tokens"] for p in self.batches[batch]]
 
+    def logprobs(self, batch: int) -> list[list[float | None]]:
+        return [p.get("logprobs") or [] for p in self.batches[batch]]
+
 
 def run_engine(model_dir: Path, config_path: Path | None, batches: list[list[list[int]]], work: Path, *,
                mamba: bool, block_size: int | None, max_tokens: int = 8, record_dir: Path | None = None,
@@ -97,12 +100,15 @@ def run_engine(model_dir: Path, config_path: Path | None, batches: list[list[lis
                multiprocess: bool = False, dtype: str | None = None, timeout_s: float = 400.0, name: str = "engine",
                drain: bool = False, kv_connector: str | None = None, kv_connector_extra_config: dict | None = None,
                kv_transfer_params: list | None = None, extra_env: dict | None = None,
-               settle_s: float | None = None) -> EngineRun:
+               settle_s: float | None = None, kv_role: str | None = None, load_guard: bool = False,
+               kv_load_failure_policy: str | None = None, logprobs: int | None = None) -> EngineRun:
     """Start one vLLM engine in a subprocess, generate `batches` greedily, return tokens and logs.
 
     `kv_connector` (default MooncakeStoreConnector), its extra config, per-request `kv_transfer_params`
     (per batch, per prompt), `extra_env` (applied last; a None value removes the variable) and
-    `settle_s` are for other connectors (tests/e2e/test_lmcache_e2e.py runs LMCacheConnectorV1)."""
+    `settle_s` are for other connectors (tests/e2e/test_lmcache_e2e.py runs LMCacheConnectorV1).
+    `kv_role`, `kv_load_failure_policy`, `load_guard` (MOONCAKE_AUDIT_LOAD_GUARD) and `logprobs` are
+    the consumer's (tests/e2e/test_consumer.py)."""
     work.mkdir(parents=True, exist_ok=True)
     spec_path, out_path, log_path = work / f"{name}.spec.json", work / f"{name}.out.json", work / f"{name}.log"
     spec = dict(model=str(model_dir), batches=batches, max_tokens=max_tokens, block_size=block_size, mamba=mamba,
@@ -110,7 +116,8 @@ def run_engine(model_dir: Path, config_path: Path | None, batches: list[list[lis
     if drain:  # wait for every rank's connector puts before shutdown (producer.drain_sends)
         spec["drain"] = True
     for option, value in (("kv_connector", kv_connector), ("kv_connector_extra_config", kv_connector_extra_config),
-                          ("kv_transfer_params", kv_transfer_params), ("settle_s", settle_s)):
+                          ("kv_transfer_params", kv_transfer_params), ("settle_s", settle_s), ("kv_role", kv_role),
+                          ("kv_load_failure_policy", kv_load_failure_policy), ("logprobs", logprobs)):
         if value is not None:
             spec[option] = value
     spec_path.write_text(json.dumps(spec))
@@ -128,6 +135,8 @@ def run_engine(model_dir: Path, config_path: Path | None, batches: list[list[lis
         env["MOONCAKE_AUDIT_RECORD"] = str(record_dir)
     if guard:
         env["MOONCAKE_AUDIT_GUARD"] = "1"
+    if load_guard:
+        env["MOONCAKE_AUDIT_LOAD_GUARD"] = "1"
     if bug:
         env["MOONCAKE_AUDIT_E2E_BUG_53084"] = "1"
     for variable, value in (extra_env or {}).items():

@@ -22,6 +22,10 @@ settings) before starting it: vLLM reads most of it at import. SPEC is a JSON ob
   kv_transfer_params  per batch, per prompt: the request's kv_transfer_params (SamplingParams.extra_args),
                  or null (LMCache's ``lmcache.tag.*`` request tags)
   settle_s       seconds to wait after the last batch before shutdown (default 1)
+  kv_role        the connector's role (default kv_both; kv_consumer for a consumer that never puts)
+  kv_load_failure_policy  KVTransferConfig's ("recompute" | "fail"), or absent for vLLM's default
+  logprobs       top-n logprobs per generated token (each prompt's result then has "logprobs": per
+                 token, the chosen token's logprob, and "finish_reason")
 
 The result: {"batches": [[{"tokens": [...], "cached_tokens": n}, ...], ...], "seconds": {...}}.
 """
@@ -54,9 +58,12 @@ def main(spec_path: str) -> int:
     if spec.get("retention_none"):
         kwargs["prefix_cache_retention_interval"] = None
     if spec.get("connector", True):
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector=spec.get("kv_connector") or "MooncakeStoreConnector", kv_role="kv_both",
-            kv_connector_extra_config=spec.get("kv_connector_extra_config") or {})
+        transfer = dict(kv_connector=spec.get("kv_connector") or "MooncakeStoreConnector",
+                        kv_role=spec.get("kv_role") or "kv_both",
+                        kv_connector_extra_config=spec.get("kv_connector_extra_config") or {})
+        if spec.get("kv_load_failure_policy"):
+            transfer["kv_load_failure_policy"] = spec["kv_load_failure_policy"]
+        kwargs["kv_transfer_config"] = KVTransferConfig(**transfer)
     if spec.get("tp", 1) > 1:
         kwargs.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
     llm = LLM(**kwargs)
@@ -65,7 +72,8 @@ def main(spec_path: str) -> int:
         result_layout = describe(llm)
     except Exception as error:  # a description is a by-product: never fail the run for it
         result_layout = {"error": repr(error)}
-    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False,
+                            logprobs=spec.get("logprobs"))
     result = {"batches": [], "vllm": result_layout, "pid": os.getpid()}
     per_batch_params = spec.get("kv_transfer_params") or [None] * len(spec["batches"])
     for batch, transfer in zip(spec["batches"], per_batch_params):
@@ -74,8 +82,7 @@ def main(spec_path: str) -> int:
                                                 detokenize=False, extra_args={"kv_transfer_params": t})
             for t in transfer]
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], batch_params, use_tqdm=False)
-        result["batches"].append([{"tokens": list(o.outputs[0].token_ids), "cached_tokens": o.num_cached_tokens or 0}
-                                  for o in outputs])
+        result["batches"].append([_outcome(o, bool(spec.get("logprobs"))) for o in outputs])
     generated = time.monotonic()
     if spec.get("drain"):
         try:
@@ -97,6 +104,16 @@ def main(spec_path: str) -> int:
         sys.stderr.flush()
         os._exit(0)
     return 0
+
+
+def _outcome(output, logprobs: bool) -> dict:
+    completion = output.outputs[0]
+    outcome = {"tokens": list(completion.token_ids), "cached_tokens": output.num_cached_tokens or 0}
+    if logprobs:
+        outcome["finish_reason"] = completion.finish_reason
+        outcome["logprobs"] = [float(step[token].logprob) if step and token in step else None
+                               for token, step in zip(completion.token_ids, completion.logprobs or [])]
+    return outcome
 
 
 def drain_sends(worker, timeout_s: float) -> int:

@@ -1,0 +1,192 @@
+"""Issue #29: the harm of #53084 happens in the consumer, so the consumer is tested against a cold
+baseline, the way the bug report tests a fix.
+
+Per case (a pure Mamba2 and a GraniteMoeHybrid, both served in float32, at TP 1 and TP 2), on one
+fresh cluster:
+1. a producer with #53084 put back (``kv_both``, every block kept) publishes its prompts;
+2. a cold engine (no connector) answers the consumer prompts: the baseline;
+3. a fresh consumer (``kv_role="kv_consumer"``, recorder on, no guard) answers them from the store:
+   the requests whose hit ends on a zero key diverge from the baseline (the harness proves the bug
+   is live), and ``impact`` on a scan of the store names exactly those requests;
+4. a fresh guarded consumer (``MOONCAKE_AUDIT_LOAD_GUARD=1``, ``kv_load_failure_policy="recompute"``)
+   answers every request as the baseline does.
+After a healthy producer (TP 1), the guarded consumer refuses nothing and keeps every hit.
+
+Consumer prompts are producer prompts cut at a chunk boundary plus three fresh tokens, one cut per
+producer prompt (so no two consumer requests share a prefix a local cache could serve).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.e2e import harness
+from tests.e2e.models import ALL_MODELS
+
+TOLERANCE = 1e-4   # a logprob this close to the baseline's is the same answer (healthy runs: within 1e-6)
+MAX_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    tp: int
+    prompts: int          # producer prompts
+    length: int           # producer prompt tokens
+    cuts: tuple[int, ...]  # consumer i = producer i's first cuts[i] tokens + 3 fresh ones
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}-tp{self.tp}"
+
+
+# Mamba2: 16-token blocks. Granite: vLLM raises the attention block to 256 tokens (the mamba state is
+# checkpointed on those boundaries), so its cuts are multiples of 256 and a few between them.
+MAMBA2_CUTS = (32, 48, 64, 80, 96, 112, 128, 144)
+GRANITE_CUTS = (256, 512, 768, 1024, 384, 640, 896, 1024)
+CASES = [Case("mamba2-tiny", 1, 8, 149, MAMBA2_CUTS), Case("mamba2-tiny", 2, 8, 149, MAMBA2_CUTS),
+         Case("granite-4h-tiny", 1, 8, 1100, GRANITE_CUTS), Case("granite-4h-tiny", 2, 8, 1100, GRANITE_CUTS)]
+HEALTHY = [case for case in CASES if case.tp == 1]
+
+
+def producer_prompts(case: Case) -> list[list[int]]:
+    rng = random.Random(29 + case.length)
+    return [[rng.randrange(3, 512) for _ in range(case.length)] for _ in range(case.prompts)]
+
+
+def consumer_prompts(case: Case) -> list[list[int]]:
+    rng = random.Random(2929)
+    return [prompt[:cut] + [rng.randrange(3, 512) for _ in range(3)]
+            for prompt, cut in zip(producer_prompts(case), case.cuts)]
+
+
+def _engine(session, models_dir: Path, case: Case, role: str, cluster_of: str | None, batches, **options):
+    """Run (once per session) engine `role` of `case`: on `cluster_of`'s cluster, a fresh one, or none."""
+    name = f"consumer-{case.name}-{role}"
+    if name in session.failures:
+        pytest.fail(f"engine {name} failed earlier in this session:\n{session.failures[name]}")
+    if name in session.runs:
+        return session.runs[name]
+    spec = ALL_MODELS[case.model]
+    work = session.root / name
+    if cluster_of is None:
+        cluster, config = session.cluster(name)
+    elif cluster_of == "none":
+        cluster, config = None, None
+    else:
+        base = session.runs.get(cluster_of)
+        if base is None:
+            pytest.skip(f"needs engine {cluster_of}, which did not run")
+        cluster, config = base["cluster"], base["config"]
+    record_dir = work / "records"
+    try:
+        run = harness.run_engine(models_dir / case.model, config, batches, work, mamba=spec.mamba,
+                                 block_size=spec.block_size, record_dir=record_dir if config else None,
+                                 tp=case.tp, dtype="float32", max_tokens=MAX_TOKENS, logprobs=5, name="engine",
+                                 timeout_s=600, **options)
+    except (harness.EngineFailed, subprocess.TimeoutExpired) as error:
+        session.failures[name] = str(error)
+        raise
+    session.runs[name] = {"run": run, "cluster": cluster, "config": config, "records": record_dir, "work": work}
+    return session.runs[name]
+
+
+def producer(session, models_dir, case: Case, *, healthy: bool = False):
+    return _engine(session, models_dir, case, "healthy-producer" if healthy else "buggy-producer", None,
+                   [producer_prompts(case)], bug=not healthy, retention_none=True, drain=True)
+
+
+def baseline(session, models_dir, case: Case):
+    return _engine(session, models_dir, case, "cold", "none", [consumer_prompts(case)])
+
+
+def consumer(session, models_dir, case: Case, *, guarded: bool, healthy: bool = False):
+    store = f"consumer-{case.name}-{'healthy' if healthy else 'buggy'}-producer"
+    producer(session, models_dir, case, healthy=healthy)
+    role = f"{'healthy' if healthy else 'buggy'}-{'guarded' if guarded else 'unguarded'}"
+    options = dict(kv_role="kv_consumer", kv_load_failure_policy="recompute") if guarded else dict(
+        kv_role="kv_consumer")
+    return _engine(session, models_dir, case, role, store, [consumer_prompts(case)], load_guard=guarded, **options)
+
+
+def diverged(run, cold) -> dict[int, float]:
+    """Request index -> the largest logprob gap to the baseline (inf where a token differs)."""
+    gaps = {}
+    for index, (tokens, logprobs, cold_tokens, cold_logprobs) in enumerate(zip(
+            run.tokens(0), run.logprobs(0), cold.tokens(0), cold.logprobs(0))):
+        if tokens != cold_tokens:
+            gaps[index] = float("inf")
+            continue
+        gap = max((abs(a - b) for a, b in zip(logprobs, cold_logprobs)), default=0.0)
+        if gap > TOLERANCE:
+            gaps[index] = gap
+    return gaps
+
+
+def load_records(directory: Path) -> list[dict]:
+    return [json.loads(line) for path in sorted(directory.rglob("loads-*.jsonl"))
+            for line in path.read_text().splitlines() if line.strip()]
+
+
+def impact(report: Path, *record_dirs: Path) -> tuple[int, dict | None, str]:
+    argv = [*harness.cli_command(), "impact", str(report), "--format", "json"]
+    for directory in record_dirs:
+        argv += ["--block-tables", str(directory)]
+    process = subprocess.run(argv, cwd=harness.REPO, capture_output=True, text=True, timeout=120)
+    return process.returncode, json.loads(process.stdout) if process.stdout.strip() else None, process.stderr
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_unguarded_consumers_of_a_buggy_store_diverge_and_impact_names_them(session, models_dir, case, tmp_path):
+    cold = baseline(session, models_dir, case)["run"]
+    buggy = producer(session, models_dir, case)
+    unguarded = consumer(session, models_dir, case, guarded=False)
+    run = unguarded["run"]
+
+    gaps = diverged(run, cold)
+    assert gaps, f"{case.name}: no consumer request diverged from the cold baseline: the bug is not live"
+    assert any(run.cached(0)), "the consumer hit nothing in the store"
+
+    scan = harness.scan(buggy["config"], buggy["cluster"], "--model-config", str(models_dir / case.model),
+                        "--block-tables", str(buggy["records"]), timeout_s=300)
+    assert scan.rc == 1 and scan.report, scan.stderr[-2000:]
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps(scan.report))
+    rc, document, stderr = impact(report, unguarded["records"], buggy["records"])
+    assert rc == 1 and document, stderr[-2000:]
+    named = {request for affected in document["affected"] for request in affected["request_ids"]}
+    truth = {str(index) for index in gaps}
+    assert named == truth, (f"{case.name}: impact named {sorted(named)}, diverged {sorted(truth)} "
+                            f"(gaps {gaps}, cached {run.cached(0)})")
+    assert document["summary"]["requests_affected"] == len(truth)
+    assert all(record["request_id"] is not None for record in load_records(unguarded["records"]))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_guarded_consumers_of_a_buggy_store_equal_the_baseline(session, models_dir, case):
+    cold = baseline(session, models_dir, case)["run"]
+    guarded = consumer(session, models_dir, case, guarded=True)
+    run = guarded["run"]
+
+    assert diverged(run, cold) == {}, f"{case.name}: guarded requests still differ from the cold baseline"
+    refusals = [r for r in load_records(guarded["records"]) if r.get("refused")]
+    assert refusals, "the guard refused nothing, yet the store holds zero states"
+    assert {r["reason"] for r in refusals} <= {"ZERO_STATE", "ZERO_VALUE", "DENIED", "NULL_BACKED"}
+    assert any("mooncake-audit load guard: refused" in line for line in run.log_path.read_text().splitlines())
+
+
+@pytest.mark.parametrize("case", HEALTHY, ids=lambda c: c.name)
+def test_guarded_consumers_of_a_healthy_store_refuse_nothing_and_keep_every_hit(session, models_dir, case):
+    cold = baseline(session, models_dir, case)["run"]
+    unguarded = consumer(session, models_dir, case, guarded=False, healthy=True)["run"]
+    guarded = consumer(session, models_dir, case, guarded=True, healthy=True)
+
+    assert guarded["run"].cached(0) == unguarded.cached(0) and any(unguarded.cached(0))
+    assert [r for r in load_records(guarded["records"]) if r.get("refused")] == []
+    assert diverged(guarded["run"], cold) == {} and diverged(unguarded, cold) == {}
