@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from audit.commands.impact import impact_command
 from audit.connection import Settings
 from audit.errors import AuditError
 from audit.run.progress import ScanProgress
@@ -673,6 +674,9 @@ def crossref(
         sink.record(record)
     sink.finish(result)
     raise typer.Exit(result.exit_code)
+
+
+app.command("impact")(impact_command)
 
 
 @app.command()

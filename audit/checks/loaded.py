@@ -5,7 +5,10 @@ between the load and the forward pass that reads it. The questions are the scan'
 a recurrent state region all zero (vLLM #53084's null block), a value all zero, a NaN or Inf in a
 float region. None needs a digest, so none is computed: a region's first bytes settle "not zero"
 for every live state, and only a region that starts with zeros is read whole for the zero test.
-The NaN/Inf screen is `floats.Screen` (two max reductions, exact). On a GPU the same answers come
+The NaN/Inf test of a float32 region is one BLAS dot product of the region with itself: finite
+exactly when no element is NaN or Inf and the squares do not overflow, so a finite answer clears the
+region at memory speed, and only a non-finite one is settled by `floats.Screen` (two max reductions,
+exact). Other float dtypes go to the screen directly. On a GPU the same answers come
 from the Triton region kernel (`device_region_flags`, then `combine`).
 
 A region is ``(offset, length, dtype, state)`` within its segment: ``dtype`` None where the
@@ -15,6 +18,7 @@ all-zero one is refused) and False for KV or padding (zero is refused only when 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -36,11 +40,51 @@ class LoadedRegion(NamedTuple):
     state: bool
 
 
+_ZERO_PROBE = bytes(PROBE_BYTES)
+
+
 def _zero(data: np.ndarray) -> bool:
-    if data[:PROBE_BYTES].any():
+    if data[:PROBE_BYTES].tobytes() != _ZERO_PROBE[: min(PROBE_BYTES, data.nbytes)]:
         return False
     whole = data.nbytes - data.nbytes % 8
     return not data[:whole].view(np.uint64).any() and not data[whole:].any()
+
+
+def _nonfinite(data: np.ndarray, dtype: str) -> bool:
+    screen = SCREENS.get(dtype)
+    if screen is None:
+        return False
+    if dtype == "float32":
+        words = data[: data.nbytes - data.nbytes % 4].view(np.float32)
+        if math.isfinite(np.dot(words, words)):
+            return False
+    return screen.any(data)
+
+
+def float_runs(regions: Sequence[LoadedRegion]) -> tuple[tuple[int, int, str], ...]:
+    """Adjacent regions of one float dtype merged: one NaN/Inf test covers a page's conv and ssm
+    states when they share a dtype (zero is still tested region by region)."""
+    runs: list[list] = []
+    for offset, length, dtype, _ in sorted(regions):
+        if dtype not in SCREENS:
+            continue
+        if runs and runs[-1][2] == dtype and runs[-1][0] + runs[-1][1] == offset:
+            runs[-1][1] += length
+        else:
+            runs.append([offset, length, dtype])
+    return tuple((offset, length, dtype) for offset, length, dtype in runs)
+
+
+_runs_of: dict[int, tuple[Sequence[LoadedRegion], tuple]] = {}  # id of a region list: (the list, its runs)
+
+
+def _cached_runs(regions: Sequence[LoadedRegion]) -> tuple:
+    entry = _runs_of.get(id(regions))
+    if entry is None or entry[0] is not regions:  # held, so an id is never another list's
+        if len(_runs_of) > 4096:
+            _runs_of.clear()
+        entry = _runs_of[id(regions)] = (regions, float_runs(regions))
+    return entry[1]
 
 
 def refusal(segments: Sequence[np.ndarray], regions: Sequence[Sequence[LoadedRegion]] | None) -> str | None:
@@ -51,17 +95,22 @@ def refusal(segments: Sequence[np.ndarray], regions: Sequence[Sequence[LoadedReg
     state_zero = False
     for index, segment in enumerate(segments):
         described = regions[index] if regions is not None and index < len(regions) else None
-        for offset, length, dtype, state in described or ((0, segment.nbytes, None, True),):
+        if not described:
+            if _zero(segment):
+                state_zero = True
+            else:
+                all_zero = False
+            continue
+        for offset, length, _, state in described:
             data = segment[offset: offset + length]
             if not data.nbytes:
                 continue
-            zero = _zero(data)
-            if zero:
+            if _zero(data):
                 state_zero |= state
-                continue
-            all_zero = False
-            screen = SCREENS.get(dtype) if dtype else None
-            if screen is not None and screen.any(data):
+            else:
+                all_zero = False
+        for offset, length, dtype in _cached_runs(described):
+            if _nonfinite(segment[offset: offset + length], dtype):
                 return NONFINITE
     if all_zero:
         return ZERO_VALUE

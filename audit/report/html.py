@@ -3,8 +3,9 @@
 Everything is inline (CSS, SVG pictures) and nothing is fetched or run: the page opens the same
 from a ticket attachment or an air-gapped share, and its Content-Security-Policy forbids scripts
 and network loads should a bug ever let markup through. Every string taken from the report (key
-names above all, but also models, request ids, file names) is untrusted: it goes through `_text`,
-which makes control characters visible and escapes markup.
+names above all, but also models, request ids, file names) is untrusted: it goes through
+`inert_html`, which makes control characters visible and escapes markup. `page`, `inert_html` and
+`verdict_badges` serve `impact`'s page too (audit.report.impact).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ font-weight:600;white-space:nowrap}
 """
 
 
-def _text(value: object, limit: int = 160) -> str:
+def inert_html(value: object, limit: int = 160) -> str:
     """Untrusted text for HTML content or an attribute: control characters shown as escapes
     (a newline in a key stays visible as \\n), markup and quotes escaped."""
     return html.escape(printable(str(value), limit), quote=True)
@@ -100,11 +101,11 @@ def _verdict_class(verdict: str) -> str:
     return "incomplete" if verdict in INCOMPLETE or verdict in UNJUDGED else "recorded"
 
 
-def _verdict_badges(verdicts: list[str]) -> str:
+def verdict_badges(verdicts: list[str]) -> str:
     if not verdicts:
         return "OK"
     return "".join(f'<span class="verdict" style="background:{VERDICT_CLASS_COLOURS[_verdict_class(v)]}">'
-                   f"{_text(v)}</span>" for v in verdicts)
+                   f"{inert_html(v)}</span>" for v in verdicts)
 
 
 # --- summary ---------------------------------------------------------------------------------
@@ -122,7 +123,7 @@ def _status(summary: dict) -> tuple[str, str]:
         return word, "no findings, but not every key could be read"
     if word == "clean":
         return word, "every key read, no findings"
-    return word, f"exit code {_text(summary.get('exit_code'))}"
+    return word, f"exit code {inert_html(summary.get('exit_code'))}"
 
 
 def _headline(summary: dict) -> list[tuple[str, str]]:
@@ -145,11 +146,11 @@ def _details(summary: dict) -> list[tuple[str, str]]:
     cluster = summary.get("cluster") or {}
     tool = summary.get("tool") or {}
     rows = [
-        ("status", f"{_status(summary)[0]} (exit code {_text(summary.get('exit_code'))})"),
-        ("cluster master", _text(cluster.get("master", "-"))),
-        ("cluster admin", _text(cluster.get("admin", "-"))),
-        ("started", _text(summary.get("started_at", "-"))),
-        ("finished", _text(summary.get("finished_at", "-"))),
+        ("status", f"{_status(summary)[0]} (exit code {inert_html(summary.get('exit_code'))})"),
+        ("cluster master", inert_html(cluster.get("master", "-"))),
+        ("cluster admin", inert_html(cluster.get("admin", "-"))),
+        ("started", inert_html(summary.get("started_at", "-"))),
+        ("finished", inert_html(summary.get("finished_at", "-"))),
         ("keys selected", f"{summary.get('keys_selected', summary.get('keys_listed', 0)):,}"),
         ("keys not reached", f"{summary.get('keys_not_reached', 0):,}"),
         ("bytes scanned (exact)", f"{summary.get('bytes_scanned', 0):,}"),
@@ -164,11 +165,11 @@ def _details(summary: dict) -> list[tuple[str, str]]:
         rows.append(("interrupted", "yes: the report covers the keys read before the stop"))
     for name in ("read_mode", "device", "checker", "resumed_keys"):
         if name in summary:
-            rows.append((name.replace("_", " "), _text(summary[name])))
+            rows.append((name.replace("_", " "), inert_html(summary[name])))
     for name in ("filters", "sample"):
         if summary.get(name):
-            rows.append((name, f'<span class="mono">{_text(json.dumps(summary[name]), 400)}</span>'))
-    rows.append(("tool", f"{_text(tool.get('name', '-'))} {_text(tool.get('version', ''))}"))
+            rows.append((name, f'<span class="mono">{inert_html(json.dumps(summary[name]), 400)}</span>'))
+    rows.append(("tool", f"{inert_html(tool.get('name', '-'))} {inert_html(tool.get('version', ''))}"))
     return rows
 
 
@@ -176,14 +177,14 @@ def _context_lines(summary: dict) -> list[str]:
     """Long lines (why a scan stopped, layouts, block tables): full width, below the grid."""
     lines = []
     if summary.get("aborted"):
-        lines.append(f"<b>aborted:</b> {_text(summary['aborted'], 400)}")
+        lines.append(f"<b>aborted:</b> {inert_html(summary['aborted'], 400)}")
     for layout in summary.get("layouts") or []:
-        lines.append(f"<b>layout:</b> {_text(layout, 400)}")
+        lines.append(f"<b>layout:</b> {inert_html(layout, 400)}")
     tables = summary.get("block_tables")
     if tables:
         lines.append(f"<b>block tables:</b> {len(tables.get('files') or [])} file(s), {tables.get('records', 0):,} "
                      f"records, {tables.get('keys', 0):,} keys, {tables.get('null_backed_keys', 0):,} null-backed, "
-                     f"{_text(tables.get('keys_not_in_store'))} no longer in the store, "
+                     f"{inert_html(tables.get('keys_not_in_store'))} no longer in the store, "
                      f"{tables.get('skipped_lines', 0):,} lines skipped")
     return lines
 
@@ -257,33 +258,33 @@ def _heatmap_svg(layout: str, records: list[dict], state_counts: Counter) -> str
     tick_every = -(-20 // cell_w)  # a layer number every n columns, so the numbers never overlap
     cells_end = label_w + cell_w * len(columns)
     width, height = cells_end + 10 + verdict_w, header_h + cell_h * len(records) + 4
-    parts = [f'<svg class="heatmap" data-layout="{_text(layout, 400)}" width="{width}" height="{height}" '
+    parts = [f'<svg class="heatmap" data-layout="{inert_html(layout, 400)}" width="{width}" height="{height}" '
              f'viewBox="0 0 {width} {height}" role="img" aria-label="zero and non-finite regions per key and layer">',
              f'<text x="{label_w - 6}" y="{header_h - 8}" text-anchor="end">layer</text>']
     for index, (segment, layer) in enumerate(columns):
         hidden = "" if index % tick_every == 0 else ' visibility="hidden"'
         x = label_w + index * cell_w + cell_w / 2
-        parts.append(f'<text class="column" data-segment="{_text(segment)}" x="{x}" y="{header_h - 8}" '
-                     f'text-anchor="middle"{hidden}><title>{_text(segment)}</title>'
-                     f'{_text(layer if layer >= 0 else "-")}</text>')
+        parts.append(f'<text class="column" data-segment="{inert_html(segment)}" x="{x}" y="{header_h - 8}" '
+                     f'text-anchor="middle"{hidden}><title>{inert_html(segment)}</title>'
+                     f'{inert_html(layer if layer >= 0 else "-")}</text>')
     for row, record in enumerate(records):
         y = header_h + row * cell_h
-        key = _text(record["key"], 1024)
+        key = inert_html(record["key"], 1024)
         by_segment: dict[str, list[dict]] = {}
         for region in record["regions"]:
             by_segment.setdefault(region["segment"], []).append(region)
         parts.append(f'<g class="row" data-key="{key}"><title>{key}</title><text x="{label_w - 6}" '
-                     f'y="{y + cell_h - 4}" text-anchor="end">{_text(_row_label(record))}</text>')
+                     f'y="{y + cell_h - 4}" text-anchor="end">{inert_html(_row_label(record))}</text>')
         for index, (segment, _) in enumerate(columns):
             if segment not in by_segment:
                 continue
             state = cell_state(by_segment[segment])
             state_counts[state] += 1
-            parts.append(f'<rect class="cell" data-segment="{_text(segment)}" data-state="{state}" '
+            parts.append(f'<rect class="cell" data-segment="{inert_html(segment)}" data-state="{state}" '
                          f'x="{label_w + index * cell_w}" y="{y}" width="{cell_w - 1}" height="{cell_h - 1}" '
                          f'fill="{STATE_COLOURS[state]}"><title>'
-                         f"{_text(_cell_title(segment, by_segment[segment]), 400)}</title></rect>")
-        parts.append(f'<text x="{cells_end + 10}" y="{y + cell_h - 4}">{_text(" ".join(record["verdicts"]), 60)}'
+                         f"{inert_html(_cell_title(segment, by_segment[segment]), 400)}</title></rect>")
+        parts.append(f'<text x="{cells_end + 10}" y="{y + cell_h - 4}">{inert_html(" ".join(record["verdicts"]), 60)}'
                      f"</text></g>")
     parts.append("</svg>")
     return "".join(parts)
@@ -299,7 +300,7 @@ def _heatmap_section(findings: list[dict]) -> str:
     for layout in sorted(by_layout):
         records = _heatmap_rows(by_layout[layout])
         shown = records[:HEATMAP_MAX_ROWS]
-        body.append(f'<h3>layout <span class="mono">{_text(layout, 400)}</span>: {len(records):,} flagged key(s)</h3>')
+        body.append(f'<h3>layout <span class="mono">{inert_html(layout, 400)}</span>: {len(records):,} flagged key(s)</h3>')
         if len(records) > len(shown):
             body.append(f'<p class="note">Showing {len(shown):,} of {len(records):,} flagged keys with this layout '
                         f"(rarest verdict combinations first); the JSON report and the table below list them all.</p>")
@@ -331,8 +332,8 @@ def _bar_chart(title: str, bars: list[tuple[str, int, str]], css_class: str) -> 
     for row, (label, count, colour) in enumerate(bars):
         y = top + row * row_h
         length = max(1, round(bar_w * count / most))
-        parts.append(f'<g class="bar" data-label="{_text(label)}" data-count="{count}">'
-                     f'<text x="{label_w - 6}" y="{y + 13}" text-anchor="end">{_text(label, 30)}</text>'
+        parts.append(f'<g class="bar" data-label="{inert_html(label)}" data-count="{count}">'
+                     f'<text x="{label_w - 6}" y="{y + 13}" text-anchor="end">{inert_html(label, 30)}</text>'
                      f'<rect x="{label_w}" y="{y + 2}" width="{length}" height="{row_h - 6}" fill="{colour}"/>'
                      f'<text x="{label_w + length + 6}" y="{y + 13}">{count:,}</text></g>')
     parts.append("</svg></figure>")
@@ -445,10 +446,10 @@ def _evidence_summary(record: dict) -> str:
             line = f"block table: blocks {ids[:8]}" + (f", request {requests}" if requests else "")
         else:
             line = f"{name}: {json.dumps(evidence)}"
-        lines.append(_text(line, 300))
+        lines.append(inert_html(line, 300))
     error = record.get("error")
     if error:
-        lines.append(_text(f"{error.get('name')} ({error.get('code')}): {error.get('message', '')}", 300))
+        lines.append(inert_html(f"{error.get('name')} ({error.get('code')}): {error.get('message', '')}", 300))
     return "<br>".join(lines)
 
 
@@ -462,10 +463,10 @@ def _findings_section(findings: list[dict]) -> str:
         fields = record.get("fields") or {}
         size = record.get("size")
         body.append(
-            f'<tr><td class="key">{_text(record["key"], KEY_SHOWN)}</td><td>{_verdict_badges(record["verdicts"])}</td>'
+            f'<tr><td class="key">{inert_html(record["key"], KEY_SHOWN)}</td><td>{verdict_badges(record["verdicts"])}</td>'
             f'<td class="num">{"-" if size is None else f"{size:,}"}</td>'
-            f'<td class="mono">{_text(record.get("xxh3") or "-")}</td><td>{_text(fields.get("model", "-"), 80)}</td>'
-            f'<td class="num">{_text(fields.get("tp_rank", "-"))}</td>'
+            f'<td class="mono">{inert_html(record.get("xxh3") or "-")}</td><td>{inert_html(fields.get("model", "-"), 80)}</td>'
+            f'<td class="num">{inert_html(fields.get("tp_rank", "-"))}</td>'
             f'<td class="evidence">{_evidence_summary(record)}</td></tr>')
     note = (f'<p class="note">Showing the first {len(shown):,} of {len(rows):,} flagged keys (by name); the JSON '
             f"report lists them all.</p>" if len(rows) > len(shown) else "")
@@ -478,9 +479,9 @@ def _shared_section(groups: list[dict]) -> str:
     if not groups:
         return ""
     body = "".join(
-        f'<tr><td class="num">{_text(group["group"])}</td><td class="num">{group["size"]:,}</td>'
-        f'<td class="mono">{_text(group["xxh3"])}</td><td class="num">{len(group["keys"]):,}</td>'
-        f'<td class="key">{"<br>".join(_text(key, 200) for key in group["keys"][:5])}'
+        f'<tr><td class="num">{inert_html(group["group"])}</td><td class="num">{group["size"]:,}</td>'
+        f'<td class="mono">{inert_html(group["xxh3"])}</td><td class="num">{len(group["keys"]):,}</td>'
+        f'<td class="key">{"<br>".join(inert_html(key, 200) for key in group["keys"][:5])}'
         f'{"<br>…" if len(group["keys"]) > 5 else ""}</td></tr>'
         for group in groups[:TABLE_MAX_ROWS])
     return (f'<section id="shared"><h2>Shared content ({len(groups):,} groups)</h2><p class="note">Distinct keys '
@@ -495,13 +496,13 @@ def _coverage_section(summary: dict) -> str:
     if coverage is None:
         return ""
     lines = gap_lines(coverage)
-    gaps = "".join(f"<li>{_text(what, 400)}<br>{_text(how.strip(), 400)}</li>" for what, how in zip(lines[::2], lines[1::2]))
-    rows = "".join(f"<tr><td>{_text(t['name'])}</td><td>{t['charged_bytes']:,}</td><td>{_yes_no(t['audited'])}</td>"
-                   f"<td>{_text(t['keys_named'] if t['keys_named'] is not None else 'listed')}</td>"
+    gaps = "".join(f"<li>{inert_html(what, 400)}<br>{inert_html(how.strip(), 400)}</li>" for what, how in zip(lines[::2], lines[1::2]))
+    rows = "".join(f"<tr><td>{inert_html(t['name'])}</td><td>{t['charged_bytes']:,}</td><td>{_yes_no(t['audited'])}</td>"
+                   f"<td>{inert_html(t['keys_named'] if t['keys_named'] is not None else 'listed')}</td>"
                    f"<td>{t['keys_read']:,}</td></tr>" for t in coverage["tenants"] or [])
     tenants = (f"<h3>Tenants</h3><table><thead><tr><th>tenant</th><th>bytes charged</th><th>audited</th>"
                f"<th>keys named</th><th>keys read</th></tr></thead><tbody>{rows}</tbody></table>" if rows else "")
-    return (f'<section id="coverage"><h2>Coverage</h2><p>{_text(coverage_headline(coverage), 400)}</p>'
+    return (f'<section id="coverage"><h2>Coverage</h2><p>{inert_html(coverage_headline(coverage), 400)}</p>'
             f"{f'<ul>{gaps}</ul>' if gaps else ''}{tenants}</section>")
 
 
@@ -514,8 +515,8 @@ def _unread_section(document: dict) -> str:
         return (f'<section id="unread"><h2>Unread keys</h2><p>{unread_count:,} key(s) could not be read. Scan with '
                 f"<code>--all</code> to list them in the report.</p></section>")
     unread = [record for record in document["keys"] if any(v in INCOMPLETE for v in record["verdicts"])]
-    body = "".join(f'<tr><td class="key">{_text(record["key"], KEY_SHOWN)}</td>'
-                   f'<td>{_verdict_badges(record["verdicts"])}</td><td>{_evidence_summary(record)}</td></tr>'
+    body = "".join(f'<tr><td class="key">{inert_html(record["key"], KEY_SHOWN)}</td>'
+                   f'<td>{verdict_badges(record["verdicts"])}</td><td>{_evidence_summary(record)}</td></tr>'
                    for record in sorted(unread, key=lambda r: r["key"])[:TABLE_MAX_ROWS])
     return (f'<section id="unread"><h2>Unread keys ({len(unread):,})</h2><table><thead><tr><th>key</th>'
             f"<th>verdicts</th><th>error</th></tr></thead><tbody>{body}</tbody></table></section>")
@@ -523,23 +524,30 @@ def _unread_section(document: dict) -> str:
 
 # --- page ------------------------------------------------------------------------------------
 
+def page(title: str, body: str) -> str:
+    """A whole self-contained page: `title` (already escaped) and `body` (escaped HTML) with the
+    inline style and a Content-Security-Policy that allows no script and no network load."""
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">"
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{title}</title><style>{CSS}</style></head><body>{body}</body></html>\n")
+
+
 def render_html(document: dict) -> str:
     """The page for one `--format json` report document (docs/html-report.md)."""
     summary = document["summary"]
     findings = document["findings"]
     word, sentence = _status(summary)
     master = (summary.get("cluster") or {}).get("master", "")
-    return (
-        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
-        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">"
-        '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>mooncake-audit: {word} - {_text(master, 80)}</title><style>{CSS}</style></head><body>"
-        f'<h1>mooncake-audit report <span class="mono">{_text(master, 80)}</span></h1>'
+    return page(
+        f"mooncake-audit: {word} - {inert_html(master, 80)}",
+        f'<h1>mooncake-audit report <span class="mono">{inert_html(master, 80)}</span></h1>'
         f'<p class="lead"><span class="status status-{word}">{word.upper()}</span>{sentence}</p>'
         f"{_summary_section(summary)}{_coverage_section(summary)}{_heatmap_section(findings)}"
         f"{_charts_section(summary, findings)}"
         f"{_findings_section(findings)}{_shared_section(document.get('shared_groups') or [])}"
-        f"{_unread_section(document)}</body></html>\n")
+        f"{_unread_section(document)}")
 
 
 def _read_report(path: Path) -> dict:
@@ -571,10 +579,10 @@ def write_html(report_path: Path, out_path: Path) -> None:
     sees half a page). AuditError, one line, for a report that cannot be read or is malformed."""
     document = _read_report(report_path)
     try:
-        page = render_html(document)
+        rendered = render_html(document)
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise AuditError(f"report {printable(str(report_path), 200)} is malformed: "
                          f"{type(error).__name__} {printable(str(error), 120)}") from None
     out = ReportOutput(out_path)
-    out.write(page)
+    out.write(rendered)
     out.close()

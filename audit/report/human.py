@@ -10,7 +10,7 @@ from rich.table import Table
 from audit.blocktables import DEFAULT_TENANT
 from audit.records import KeyRecord, Report
 from audit.report.coverage import coverage_headline, gap_lines, missed_keys
-from audit.report.inert import human_bytes, inert, printable
+from audit.report.inert import human_bytes, inert, inert_key, printable
 from audit.report.output import ReportOutput, WholeReportSink
 
 
@@ -94,10 +94,11 @@ class HumanSink(WholeReportSink):
         if rows:
             table = Table(title=None, show_lines=False)
             tenants = any(record.tenant is not None for record in rows)
-            for column in ("key", *(("tenant",) if tenants else ()), "verdicts", "size", "xxh3"):
+            table.add_column("key", no_wrap=True)  # one line a key: its hash's middle elided (JSON has it whole)
+            for column in (*(("tenant",) if tenants else ()), "verdicts", "size", "xxh3"):
                 table.add_column(column, overflow="fold")
             for record in rows:
-                table.add_row(inert(record.key), *((inert(record.tenant or DEFAULT_TENANT),) if tenants else ()),
+                table.add_row(inert_key(record.key), *((inert(record.tenant or DEFAULT_TENANT),) if tenants else ()),
                               inert(",".join(record.verdicts) or "OK"),
                               str(record.size if record.size is not None else "-"),
                               f"{record.xxh3:016x}" if record.xxh3 is not None else "-")

@@ -1,11 +1,17 @@
 """Untrusted text (key names) made inert for a terminal: no escape sequence, no rich markup;
-and the byte counts printed beside them."""
+keys shortened for one line of a table; and the byte counts printed beside them."""
 
 from __future__ import annotations
+
+import re
 
 from rich.text import Text
 
 MAX_SHOWN = 160
+HASH_HEAD, HASH_TAIL = 8, 6  # hex digits of a long hash a table keeps (56 bits: two keys alike in 10^16)
+HASH_ELIDED_FROM = 24        # shorter hex runs (a 64-bit hash, a number) stay whole
+_LONG_HASH = re.compile(r"(?<![0-9A-Za-z])([0-9a-fA-F]{%d})[0-9a-fA-F]{%d,}([0-9a-fA-F]{%d})(?![0-9A-Za-z])"
+                        % (HASH_HEAD, HASH_ELIDED_FROM - HASH_HEAD - HASH_TAIL, HASH_TAIL))
 
 
 def printable(text: str, limit: int = MAX_SHOWN) -> str:
@@ -15,6 +21,13 @@ def printable(text: str, limit: int = MAX_SHOWN) -> str:
     if len(text) > limit:
         shown += f"… ({len(text)} chars)"
     return shown
+
+
+def short_key(key: str, limit: int = MAX_SHOWN) -> str:
+    """A key for one line of a human table: the middle of every long hex run elided
+    (``...@group:2@3f9a1c2e…9d0b1f``, vLLM's chunk hash, LMCache's and SGLang's page hashes), then
+    made printable. JSON, HTML titles and `explain` keep keys whole."""
+    return printable(_LONG_HASH.sub(r"\1…\2", key), limit)
 
 
 def human_bytes(n: float | None) -> str:
@@ -31,3 +44,8 @@ def human_bytes(n: float | None) -> str:
 def inert(text: str, limit: int = MAX_SHOWN) -> Text:
     """A rich Text, never parsed as markup."""
     return Text(printable(text, limit))
+
+
+def inert_key(key: str) -> Text:
+    """A table's key cell: `short_key`, never parsed as markup."""
+    return Text(short_key(key))
