@@ -78,7 +78,7 @@ def _counts(label: str, counts: dict[str, int]) -> str:
 
 
 def print_human(document: dict, stream) -> None:
-    console = Console(file=stream, highlight=False, soft_wrap=False, width=160, force_terminal=False)
+    console = Console(file=stream, highlight=False, soft_wrap=False, width=180, force_terminal=False)
     summary = document["summary"]
     console.print(": ".join(status(summary)), markup=False)
     for line in _context_lines(summary):
@@ -86,10 +86,10 @@ def print_human(document: dict, stream) -> None:
     if document["affected"]:
         table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
         table.add_column("key", no_wrap=True)
-        table.add_column("verdicts", overflow="fold", min_width=11)
+        table.add_column("verdicts", no_wrap=True, overflow="ellipsis", min_width=11)
         for column in ("served", "refused", "requests"):
             table.add_column(column, no_wrap=True, justify="right")
-        table.add_column("hosts", overflow="fold", min_width=8)
+        table.add_column("hosts", no_wrap=True, overflow="ellipsis", min_width=8)
         for column in ("first load", "last load"):
             table.add_column(column, no_wrap=True)
         for row in document["affected"]:
