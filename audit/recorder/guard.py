@@ -60,14 +60,15 @@ class LoadGuard:
         self._arrays: dict[int, type] = {}
         self.refusals = 0
 
-    def describe(self, document: dict, kv_caches: dict) -> None:
+    def describe(self, document: dict, kv_caches: dict, *, in_kernel: bool | None = None) -> None:
         """The consumer's manifest and caches: which regions its keys' segments hold, and, where the
-        caches live on a GPU, byte views of their storages for the kernel."""
+        caches live on a GPU (or `in_kernel` says so: the Triton interpreter on CPU tensors), byte
+        views of their storages for the kernel."""
         self.regions = group_regions(document)
         storages = {}
         for value in kv_caches.values():
             for tensor in value if isinstance(value, (list, tuple)) else (value,):
-                if getattr(tensor, "is_cuda", False):
+                if getattr(tensor, "is_cuda", False) if in_kernel is None else in_kernel:
                     storage = tensor.untyped_storage()
                     storages[storage.data_ptr()] = storage
         self._storages = sorted((base, storage.nbytes(), _byte_view(storage)) for base, storage in storages.items())

@@ -24,7 +24,7 @@ from audit.connection import open_store
 from audit.keys import vllm_key
 from audit.recorder import loads as loads_module
 from audit.recorder.deny import DenyList
-from audit.recorder.guard import group_regions
+from audit.recorder.guard import LoadGuard, group_regions
 from audit.recorder.plugin import RecorderSettings, install
 from audit.recorder.records import RecordWriter
 from audit.recorder.wrapper import REFUSED_RESULT
@@ -314,3 +314,30 @@ def test_api_request_ids():
     assert loads_module.api_request_id("10-b9212f4a") == "10"
     assert loads_module.api_request_id("cmpl-abc-0-1a2b3c4d") == "cmpl-abc-0"
     assert loads_module.api_request_id("plain") == "plain" and loads_module.api_request_id(None) is None
+
+
+def test_the_kernel_path_of_the_guard_judges_a_batch_as_the_host_path_does(tmp_path):
+    """The GPU path (`LoadGuard._check_on_device`: byte views of the caches' storages, every region of
+    a batch through the Triton kernel), run here by the interpreter on CPU tensors, refuses exactly
+    what the host path refuses."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    rng = np.random.default_rng(11)
+    layers = [torch.from_numpy(rng.normal(size=(4, 1024)).astype(np.float32)) for _ in range(2)]  # 4 pages of 4 KiB
+    for layer in layers:
+        layer[:, 768:] = 0                      # each page: conv 1 KiB, ssm 2 KiB, then 1 KiB of padding
+    layers[1][2, 256:768] = 0                   # page 2: layer 1's ssm zero
+    layers[0][3, 5] = float("inf")              # page 3: an Inf in layer 0's conv
+    document = {"groups": [{"group": 0, "states": [{"offset": 0, "length": 1024, "dtype": "float32"},
+                                                   {"offset": 1024, "length": 2048, "dtype": "float32"}],
+                            "segments": [{"block_len": 4096, "layer": f"l.{i}", "offset_in_page": 0} for i in range(2)]}]}
+    keys = [f"m@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{i:04x}" for i in range(4)]
+    addrs = [[layer[page].data_ptr() for layer in layers] for page in range(4)]
+    sizes = [[4096, 4096]] * 4
+    verdicts = {}
+    for in_kernel in (True, False):
+        guard = LoadGuard(DenyList(tmp_path / str(in_kernel), RecordWriter(tmp_path / str(in_kernel), stem="denied")))
+        guard.describe(document, {"l.0": layers[0], "l.1": layers[1]}, in_kernel=in_kernel)
+        assert bool(guard._storages) is in_kernel
+        verdicts[in_kernel] = guard.check(keys, addrs, sizes, [8192] * 4)
+    assert verdicts[True] == verdicts[False] == {2: "ZERO_STATE", 3: "NONFINITE"}
