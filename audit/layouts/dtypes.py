@@ -9,7 +9,9 @@ Read from vLLM 0.32.0 (our own statement of its rules, see docs/layouts.md §2):
 - ssm (temporal) state: ``--mamba-ssm-cache-dtype``; when not given, a per-model rule
   (``vllm/model_executor/models/config.py``): Nemotron-H takes the config's
   ``mamba_ssm_cache_dtype`` or float32, Qwen3.5 its config's ``mamba_ssm_dtype``; KDA (Kimi
-  linear) states default to float32; everything else uses the conv dtype.
+  linear) states default to float32; everything else uses the conv dtype. The rules follow the
+  architecture: a wrapper vLLM lists no rule for (MiniCPM-V 4.6/4.7 around Qwen3.5, the Nemotron
+  Omni models around Nemotron-H) keeps the conv dtype.
 - the CPU platform (``vllm/platforms/cpu.py``, on a CPU with AVX-512 BF16) then forces the ssm
   state to float32, unless the model has ``linear_attention`` layers (GDN) and the ssm dtype is
   16-bit by the operator's flag or the model's rule.
@@ -29,6 +31,11 @@ DEFAULT_PLATFORM = "cuda"
 _NEMOTRON_TYPES = ("nemotron_h",)
 _QWEN35_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 _KDA_TYPES = ("kimi_linear",)
+# vLLM keys the per-model ssm rules by architecture (``MODELS_CONFIG_MAP``): these wrappers of a
+# Qwen3.5 or Nemotron-H text model have no entry there, so their ssm state follows the conv dtype.
+_NO_SSM_RULE_ARCHITECTURES = ("MiniCPMV4_6ForConditionalGeneration", "MiniCPMV4_7ForConditionalGeneration",
+                              "InternS2PreviewForConditionalGeneration", "NemotronH_Nano_Omni_Reasoning_V3",
+                              "NemotronH_Omni_Reasoning_V3", "NemotronH_Super_Omni_Reasoning_V3")
 
 
 def config_dtype(config: dict, text: dict | None = None) -> str:
@@ -51,7 +58,9 @@ def auto_model_dtype(checkpoint_dtype: str) -> str:
     return "bfloat16" if checkpoint_dtype == "float32" else checkpoint_dtype
 
 
-def _model_ssm_rule(model_type: str, text: dict) -> str | None:
+def _model_ssm_rule(model_type: str, text: dict, config: dict) -> str | None:
+    if any(name in _NO_SSM_RULE_ARCHITECTURES for name in config.get("architectures") or ()):
+        return None
     if model_type in _NEMOTRON_TYPES:
         return canonical_dtype(str(text.get("mamba_ssm_cache_dtype") or "float32"))
     if model_type in _QWEN35_TYPES and text.get("mamba_ssm_dtype"):
@@ -94,7 +103,7 @@ def resolve_dtypes(*, model_type: str, text: dict, config: dict | None = None,
     if ssm_dtype:
         ssm_setting = canonical_dtype(ssm_dtype)
     else:
-        ssm_setting = _model_ssm_rule(model_type, text)
+        ssm_setting = _model_ssm_rule(model_type, text, config if config is not None else text)
         if ssm_setting is not None:
             why.append(f"ssm dtype {ssm_setting}: vLLM's rule for {model_type}")
     if platform == "cpu" and ssm_setting != "float32":

@@ -20,7 +20,8 @@ from .dtypes import DEFAULT_PLATFORM, resolve_dtypes
 from .hybrid import ATTENTION, PLATFORM_BLOCKS, SLIDING, STATE, state_model_layouts
 from .model import LayoutError, Layout
 from .pages import AttentionShape
-from .states import gdn_states, mamba1_states, mamba2_states, short_conv_states
+from .states import gdn_states, linear_attention_states, mamba1_states, mamba2_states, short_conv_states
+from .vllm_models import refusal
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +80,12 @@ def _attention(config: dict, options: _Options) -> AttentionShape:
     return AttentionShape(heads, _head_dim(config), options.kv_dtype)
 
 
-def _layouts(config: dict, options: _Options, kind: str, states, layer_kinds) -> list[Layout]:
+def _layouts(config: dict, options: _Options, kind: str, states, layer_kinds,
+             attention: AttentionShape | None = None) -> list[Layout]:
     has_attention = any((entry[1] if isinstance(entry, tuple) else entry) not in (STATE, None)
                         for entry in layer_kinds)
-    attention = _attention(config, options) if has_attention else None
+    if attention is None and has_attention:
+        attention = _attention(config, options)
     return state_model_layouts(
         model=options.model, kind=kind, tp_size=options.tp_size, layer_kinds=layer_kinds,
         states=states, attention=attention, block_size=options.block_size,
@@ -162,15 +165,72 @@ def _gdn(config: dict, options: _Options) -> list[Layout]:
     return _layouts(config, options, "gdn", states, kinds)
 
 
+def _olmo_hybrid(config: dict, options: _Options) -> list[Layout]:
+    """OLMo Hybrid (``olmo_hybrid.py``): GDN layers and full attention by ``layer_types``; its
+    attention heads are ``hidden_size // num_attention_heads`` wide whatever ``head_dim`` says."""
+    if not config.get("layer_types"):
+        raise LayoutError("olmo_hybrid config.json has no 'layer_types'")
+    kinds = _layer_kinds(config["layer_types"], "layer_types", {"linear_attention", "full_attention"})
+    states = gdn_states(
+        num_k_heads=_int(config, "linear_num_key_heads"),
+        num_v_heads=_int(config, "linear_num_value_heads"),
+        head_k_dim=_int(config, "linear_key_head_dim"),
+        head_v_dim=_int(config, "linear_value_head_dim"),
+        conv_kernel=_int(config, "linear_conv_kernel_dim"), tp_size=options.tp_size,
+        conv_dtype=options.conv_dtype, ssm_dtype=options.ssm_dtype,
+        conv_layout=options.conv_layout)
+    heads = _int(config, "num_attention_heads")
+    kv_heads = config.get("num_key_value_heads") or heads
+    attention = AttentionShape(max(1, kv_heads // options.tp_size), _int(config, "hidden_size") // heads,
+                               options.kv_dtype)
+    return _layouts(config, options, "gdn", states, kinds, attention)
+
+
+def _mla_attention(config: dict, options: _Options) -> AttentionShape:
+    """vLLM's ``MLAAttentionSpec``: one latent of ``kv_lora_rank + qk_rope_head_dim`` a token,
+    one head on every TP rank (the same bytes on each: the connector writes ``tp_rank:0``)."""
+    return AttentionShape(1, _int(config, "kv_lora_rank") + _int(config, "qk_rope_head_dim"),
+                          options.kv_dtype, vectors=1)
+
+
+# An MLA model's block when --block-size is not given: the preferred block of its attention backend,
+# 16 for CPU_MLA and for FlashAttention MLA (vLLM's first choice on Hopper); Blackwell's FlashInfer
+# MLA takes 32 (a scan fits the block to the listed sizes either way).
+MLA_DEFAULT_BLOCK = 16
+
+
+def _mla(config: dict, options: _Options) -> list[Layout]:
+    """DeepSeek-V2/V3 and Kimi-K2 (``deepseek_v2.py``): multi-head latent attention in every layer,
+    one region per layer. Multi-token-prediction layers (speculative decoding) are not modelled."""
+    kinds = [ATTENTION] * _int(config, "num_hidden_layers")
+    return _layouts(config, options, ATTENTION, None, kinds, _mla_attention(config, options))
+
+
+def _bailing_linear(config: dict, options: _Options) -> list[Layout]:
+    """Bailing MoE V2.5 (``bailing_moe_linear.py``): linear attention layers, except every
+    ``layer_group_size``-th, which is MLA; one ``(heads, d, d)`` state a linear layer."""
+    group = config.get("layer_group_size", 1)
+    kinds = [STATE if group > 0 and (layer + 1) % group else ATTENTION
+             for layer in range(_int(config, "num_hidden_layers"))]
+    heads = _int(config, "num_attention_heads")
+    head_dim = _int(config, "head_dim") if "head_dim" in config else _int(config, "hidden_size") // heads
+    states = linear_attention_states(num_heads=heads, head_dim=head_dim, tp_size=options.tp_size,
+                                     dtype=options.conv_dtype)
+    latent = AttentionShape(1, config.get("kv_lora_rank", 512) + config.get("qk_rope_head_dim", 64),
+                            options.kv_dtype, vectors=1)
+    return _layouts(config, options, "linear_attention", states, kinds, latent)
+
+
 def _lfm2(config: dict, options: _Options) -> list[Layout]:
-    """LFM2: short-conv layers (conv state only) and full-attention layers."""
+    """LFM2 (and LFM2-VL's text model): short-conv layers (conv state only) and full-attention layers."""
     if config.get("layer_types"):
         kinds = _layer_kinds(config["layer_types"], "layer_types", {"conv", "full_attention"})
     else:
         attention_layers = set(config.get("full_attn_idxs") or ())
         kinds = [ATTENTION if layer in attention_layers else STATE
                  for layer in range(_int(config, "num_hidden_layers"))]
-    # vLLM reads hf_config.conv_dim; LFM2 checkpoints that omit it convolve over hidden_size.
+    # vLLM's ShortConv layer reads hf_config.conv_dim (LFM2-VL's page alignment reads hidden_size:
+    # the two agree wherever vLLM starts); checkpoints that omit conv_dim convolve over hidden_size.
     conv_dim = _int(config, "conv_dim" if "conv_dim" in config else "hidden_size")
     states = short_conv_states(
         conv_dim=conv_dim, conv_kernel=_int(config, "conv_L_cache"), tp_size=options.tp_size,
@@ -326,8 +386,34 @@ _BUILDERS: dict[str, Callable[[dict, _Options], list[Layout]]] = {
     "bamba": _granite_mamba2,
     "jamba": _jamba,
     "zamba2": _zamba2,
+    "olmo_hybrid": _olmo_hybrid,
+    "deepseek_v2": _mla,
+    "deepseek_v3": _mla,
+    "kimi_k2": _mla,
 }
-SUPPORTED_MODEL_TYPES = tuple(_BUILDERS) + ATTENTION_MODEL_TYPES + ("<any attention-only config>",)
+# Multimodal wrappers (LFM2-VL, MiniCPM-V 4.6/4.7, Nemotron VL and Omni, Qwen3.5, Kimi-K2.5) are laid
+# out by their text config's model_type (model_type_of).
+
+# Architectures whose configs carry no model_type of their own the audit could key on.
+_ARCHITECTURE_BUILDERS: dict[str, Callable[[dict, _Options], list[Layout]]] = {
+    "BailingMoeV2_5ForCausalLM": _bailing_linear,
+}
+SUPPORTED_MODEL_TYPES = (tuple(_BUILDERS) + ATTENTION_MODEL_TYPES
+                         + tuple(f"<architecture {name}>" for name in _ARCHITECTURE_BUILDERS)
+                         + ("<any attention-only config>",))
+
+
+def _architectures(config: dict) -> list[str]:
+    names = config.get("architectures")
+    return [str(name) for name in names] if isinstance(names, list) else []
+
+
+def _builder(config: dict, model_type: str | None) -> Callable[[dict, _Options], list[Layout]] | None:
+    """The layout builder of a config: its (text) model type's, else its architecture's."""
+    if model_type in _BUILDERS:
+        return _BUILDERS[model_type]
+    return next((_ARCHITECTURE_BUILDERS[name] for name in _architectures(config) if name in _ARCHITECTURE_BUILDERS),
+                None)
 
 # Fields that say a config has recurrent state or a cache the generic attention layout does not
 # describe (MLA latents): such a config of an unknown model type is refused, never guessed.
@@ -346,8 +432,10 @@ def _plain_attention_config(config: dict) -> bool:
 
 
 def model_type_of(config: dict) -> tuple[dict, str | None]:
-    """The text config (``text_config`` of a multimodal config, else the config) and its type."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    """The text config (``text_config`` of a multimodal config, or ``llm_config``, the name
+    released Nemotron VL checkpoints use; else the config) and its type."""
+    text = next((config[name] for name in ("text_config", "llm_config") if isinstance(config.get(name), dict)),
+                config)
     return text, text.get("model_type") or config.get("model_type")
 
 
@@ -364,15 +452,20 @@ def layouts_from_hf_config(config: dict, *, model: str, tp_size: int = 1,
     ``ssm_dtype``: ``--mamba-ssm-cache-dtype`` (None: vLLM's per-model and per-platform rules,
     see ``audit.layouts.dtypes``).
     ``model_dtype``: vLLM's ``--dtype`` (None: "auto", from the config).
-    ``block_size``: vLLM's ``--block-size`` (None: the platform's default: 16 on CUDA, 128 on CPU).
+    ``block_size``: vLLM's ``--block-size`` (None: the platform's default: 16 on CUDA, 128 on CPU;
+    an MLA model's backend's, 16).
     ``kv_cache_dtype``: attention ``--kv-cache-dtype`` (None: the model dtype).
     ``kernel_block_size``: the attention backend's smallest kernel block, the alignment of a
-    hybrid model's block (None: the platform's, 16 on CUDA and 32 on CPU; ROCm AITER 64; MLA
-    backends 128 or more).
+    hybrid model's block (None: the platform's, 16 on CUDA and 32 on CPU; ROCm AITER 64; a
+    hybrid with MLA attention aligns to 128 at least).
     ``platform``: "cuda" or "cpu" (vLLM's CPU build forces float32 ssm states).
     """
     text, model_type = model_type_of(config)
-    builder = _BUILDERS.get(model_type)
+    reason = refusal([config.get("model_type"), model_type], _architectures(config))
+    if reason is not None:
+        raise LayoutError(f"model_type {config.get('model_type') or model_type!r} is not supported: {reason}; "
+                          f"describe its values in a layout file instead")
+    builder = _builder(config, model_type)
     if builder is None and model_type not in ATTENTION_MODEL_TYPES and not _plain_attention_config(text):
         raise LayoutError(f"model_type {model_type!r} is not supported "
                           f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); "
@@ -386,6 +479,8 @@ def layouts_from_hf_config(config: dict, *, model: str, tp_size: int = 1,
                             model_dtype=model_dtype, conv_dtype=state_dtype, ssm_dtype=ssm_dtype,
                             kv_cache_dtype=kv_cache_dtype, platform=platform)
     default_block, default_kernel = PLATFORM_BLOCKS[platform]
+    if builder is _mla:
+        default_block = MLA_DEFAULT_BLOCK
     options = _Options(
         model=name, tp_size=tp_size, conv_dtype=dtypes.conv, ssm_dtype=dtypes.ssm, kv_dtype=dtypes.kv,
         conv_layout=conv_layout, block_size=default_block if block_size is None else block_size,
@@ -467,7 +562,9 @@ def hybrid_pools(config: dict, tp_size: int) -> HybridPools | None:
         return None
     counts = {"state": 0, "attention": 0}
     numbers: dict = {}
-    family = next(layout.kind for layout in layouts if layout.kind != ATTENTION)
+    family = next((layout.kind for layout in layouts if layout.kind != ATTENTION), None)
+    if family is None:  # attention only (MLA)
+        return None
     for layout in layouts:
         kind = "attention" if layout.kind == ATTENTION else "state"
         for segment in layout.segments:

@@ -13,8 +13,8 @@ Read from vLLM (see docs/layouts.md for the reasoning):
   ``block_size = align * ceil(mamba_page / (align * attention_bytes_per_token))`` with
   ``align = max(kernel_block, configured block_size)`` (kernel_block: the attention backend's
   smallest kernel block: 16 for FlashAttention/FlashInfer on CUDA, 32 for CPU_ATTN, 64 for ROCm
-  AITER; MLA raises the alignment to 128), rounded up to a multiple of the kernel block, and the
-  mamba page is padded to ``block_size * attention_bytes_per_token``.
+  AITER; MLA attention raises the alignment to 128), rounded up to a multiple of the kernel
+  block, and the mamba page is padded to ``block_size * attention_bytes_per_token``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ DEFAULT_BLOCK_SIZE = 16  # vLLM's CUDA default for --block-size
 DEFAULT_KERNEL_BLOCK_SIZE = 16  # smallest kernel block of FlashAttention / FlashInfer on CUDA
 # per platform: (default --block-size, smallest attention kernel block)
 PLATFORM_BLOCKS = {"cuda": (16, 16), "cpu": (128, 32)}
+MLA_HYBRID_ALIGNMENT = 128  # a hybrid with MLA attention: its block is a multiple of 128
 
 ATTENTION = "attention"
 SLIDING = "sliding_attention"  # a spec of its own: its own KV-cache groups
@@ -40,18 +41,20 @@ def cdiv(numerator: int, denominator: int) -> int:
 
 
 def hybrid_block_size(state_page_bytes: int, attention_bytes_per_token: int,
-                      block_size: int | None, kernel_block_size: int | None = None) -> int:
+                      block_size: int | None, kernel_block_size: int | None = None,
+                      latent: bool = False) -> int:
     """Tokens per block after vLLM raises the attention block to fit one mamba page.
 
     ``block_size`` is vLLM's ``--block-size`` (None: its CUDA default, 16) or the value vLLM
     logged ("Setting attention block size to N tokens"); both give the same answer.
     ``kernel_block_size``: the attention backend's smallest kernel block (None: 16).
+    ``latent``: the attention is MLA, whose decode kernels want the block a multiple of 128.
     """
     configured = DEFAULT_BLOCK_SIZE if block_size is None else block_size
     kernel = DEFAULT_KERNEL_BLOCK_SIZE if kernel_block_size is None else kernel_block_size
     if configured < 1 or kernel < 1:
         raise LayoutError(f"block sizes must be positive, got {configured} and kernel {kernel}")
-    align = max(kernel, configured)
+    align = max(kernel, configured, MLA_HYBRID_ALIGNMENT if latent else 0)
     needed = align * cdiv(state_page_bytes, align * attention_bytes_per_token)
     needed = kernel * cdiv(needed, kernel)
     return max(configured, needed)
@@ -104,7 +107,7 @@ def state_model_layouts(*, model: str, kind: str, tp_size: int,
         assert attention is not None, "a model with attention layers needs its attention shape"
         if has_state:
             tokens = hybrid_block_size(page_bytes(states), attention.bytes_per_token, block_size,
-                                       kernel_block_size)
+                                       kernel_block_size, attention.latent)
         else:
             tokens = DEFAULT_BLOCK_SIZE if block_size is None else block_size
         page = tokens * attention.bytes_per_token

@@ -38,7 +38,7 @@ _DTYPE_ALIASES = {
 }
 
 REGION_KINDS = ("state", "kv", "padding", "header")  # header: a producer's own description of the value
-LAYOUT_KINDS = ("mamba1", "mamba2", "gdn", "short_conv", "attention")
+LAYOUT_KINDS = ("mamba1", "mamba2", "gdn", "short_conv", "linear_attention", "attention")
 
 
 def canonical_dtype(name: str) -> str:

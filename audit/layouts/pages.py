@@ -10,16 +10,23 @@ from .states import StateTensor, page_bytes
 
 @dataclass(frozen=True, slots=True)
 class AttentionShape:
-    """One attention layer's KV cache on one TP rank (vLLM ``FullAttentionSpec``)."""
+    """One attention layer's KV cache on one TP rank (vLLM ``FullAttentionSpec``, or
+    ``MLAAttentionSpec``: one latent vector a token, ``vectors=1``)."""
 
     num_kv_heads: int  # per rank: max(1, total_kv_heads // tp_size), as vLLM's get_num_kv_heads
     head_dim: int
     dtype: str
+    vectors: int = 2  # K and V; an MLA latent is one vector (kv_lora_rank + qk_rope_head_dim)
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of one token: vLLM's page size at block_size=1."""
-        return 2 * self.num_kv_heads * self.head_dim * DTYPE_SIZES[self.dtype]
+        """K and V (or the latent) of one token: vLLM's page size at block_size=1."""
+        return self.vectors * self.num_kv_heads * self.head_dim * DTYPE_SIZES[self.dtype]
+
+    @property
+    def latent(self) -> bool:
+        """An MLA cache (vLLM's ``use_mla``)."""
+        return self.vectors == 1
 
 
 def _raw(name: str, offset: int, length: int) -> Region:
@@ -48,8 +55,9 @@ def attention_regions(attention: AttentionShape, offset: int, block_size: int) -
     ``vllm/v1/kv_cache_interface.py``), other backends as ``(tokens, heads, k|v)``, older
     releases as ``[k | v]`` halves or kernel-block repeats of them. Every order holds the same
     bytes in the same page, so the layer's K and V are checked together, one region per layer.
+    An MLA page is ``(1, tokens, kv_lora_rank + qk_rope_head_dim)``: one latent a token.
     """
-    shape = (attention.num_kv_heads, block_size, 2 * attention.head_dim)
+    shape = (attention.num_kv_heads, block_size, attention.vectors * attention.head_dim)
     length = block_size * attention.bytes_per_token
     return (Region("kv", "kv", offset, length, attention.dtype, shape),)
 

@@ -86,3 +86,11 @@ def short_conv_states(*, conv_dim: int, conv_kernel: int, tp_size: int, conv_dty
                       conv_layout: str) -> tuple[StateTensor, ...]:
     dim = _per_rank(conv_dim, tp_size, "conv_dim")
     return (_conv(dim, conv_kernel - 1, conv_dtype, conv_layout),)
+
+
+def linear_attention_states(*, num_heads: int, head_dim: int, tp_size: int,
+                            dtype: str) -> tuple[StateTensor, ...]:
+    """A lightning-style linear attention layer (Bailing MoE V2.5): one ``(heads, d, d)`` state,
+    in ``--mamba-cache-dtype`` (else the model dtype); no conv state."""
+    heads = _per_rank(num_heads, tp_size, "num_attention_heads")
+    return (StateTensor("ssm", dtype, (heads, head_dim, head_dim)),)

@@ -1,25 +1,31 @@
-"""Differential test (issue #11 §4): our layouts against what vLLM's own code computes.
+"""Differential test (issues #11 §4, #30 §2-4): our layouts against what vLLM's own code computes.
 
 Skipped unless vLLM is importable: run it in the real-vLLM venv,
 
-    .venv-vllm/bin/python -m pytest -q tests/layouts/test_against_vllm.py
+    .venv-vllm/bin/python -m pytest -q --confcutdir tests/e2e tests/layouts/test_against_vllm.py
 
-For every config of a matrix (the families we model x TP 1/2/4 x model dtype), vLLM resolves its
-engine config on this platform (``EngineArgs.create_engine_config``: dtype rules, the model's and
-the CPU platform's state-dtype overrides, the CPU default block size), then its own code gives the
-state shapes and dtypes (``get_mamba_state_shape_from_config`` / ``get_mamba_state_dtype_from_config``
-of the model class: MambaStateShapeCalculator / MambaStateDtypeCalculator), the hybrid page-size
-unification (``Platform._align_hybrid_block_size`` with the CPU attention backend) and the
-attention page (``FullAttentionSpec.page_size_bytes``). Our layout, built from the same
-config.json with ``platform="cpu"``, must give the same region shapes, dtypes, offsets and sizes,
-the same page sizes and the same attention block. Any difference fails.
+For every family the audit lays out (a tiny config each, and the released geometry where
+transformers' defaults are it: OLMo Hybrid, DeepSeek-V3) x TP 1/2/4/8 (where the config's heads
+divide) x model dtype, vLLM resolves its engine config on this platform (``EngineArgs(...,
+load_format="dummy").create_engine_config()``: dtype rules, the model's and the CPU platform's
+state-dtype overrides, the CPU default block size), then its own code gives the state shapes and
+dtypes (``get_mamba_state_shape_from_config`` / ``get_mamba_state_dtype_from_config`` of the model
+class), the hybrid page-size unification (``Platform._align_hybrid_block_size`` with the CPU
+attention backend, ``CPU_MLA`` for MLA) and the attention page (``FullAttentionSpec`` or
+``MLAAttentionSpec(...).page_size_bytes``). vLLM's answers come from ``vllm_probe.py``, one
+process for the whole matrix (see there why apart). Our layout, built from the same config.json
+with ``platform="cpu"``, must give the same region shapes, dtypes, offsets and sizes, the same
+page sizes and the same attention block; and with ``platform="cuda"`` the state dtypes vLLM's
+per-model rule gives before any platform override. Any difference fails.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-import os
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -29,140 +35,271 @@ from audit.layouts import layouts_from_hf_config, load_hf_config  # noqa: E402
 from audit.layouts.dtypes import resolve_dtypes  # noqa: E402
 from audit.layouts.hf_config import model_type_of  # noqa: E402
 
+PROBE = Path(__file__).with_name("vllm_probe.py")
+RESULT_PREFIX = "vllm-probe-result: "
 COMMON = dict(vocab_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
               max_position_embeddings=4096)
+TP_SIZES = (1, 2, 4, 8)
+DTYPES = ("auto", "float32")
 
-# model_type -> (architecture, config kwargs); sized so that TP 1, 2 and 4 all divide
-FAMILIES = {
-    "llama": ("LlamaForCausalLM", dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=64)),
-    "qwen3": ("Qwen3ForCausalLM", dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=4, head_dim=64)),
-    "mamba": ("MambaForCausalLM", dict(hidden_size=64, num_hidden_layers=2, state_size=16, expand=2,
-                                       conv_kernel=4, intermediate_size=128)),
-    "mamba2": ("Mamba2ForCausalLM", dict(hidden_size=64, num_hidden_layers=2, state_size=16, num_heads=8,
-                                         head_dim=16, expand=2, n_groups=1, conv_kernel=4, chunk_size=16)),
-    "nemotron_h": ("NemotronHForCausalLM", dict(
-        hidden_size=64, layers_block_type=["mamba", "attention", "mamba", "mlp"], num_attention_heads=4,
-        num_key_value_heads=4, head_dim=64, intermediate_size=128, ssm_state_size=16, mamba_num_heads=8,
-        mamba_head_dim=16, n_groups=2, conv_kernel=4, expand=2, chunk_size=16)),
-    "falcon_h1": ("FalconH1ForCausalLM", dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    architecture: str
+    kwargs: dict
+    dtypes: tuple[str, ...] = DTYPES
+    tps: tuple[int, ...] = TP_SIZES  # the TP sizes its heads divide
+    edit: dict = field(default_factory=dict)  # config.json fields to set after saving (None: delete)
+    rename: tuple[str, str] | None = None  # a config.json field to save under another name
+    attention_layers: bool = True  # False: a hybrid class, configured with no attention layer
+    remote_code: bool = False  # no config class in transformers: a minimal one beside config.json
+    prefix_caching: bool = True  # False: an MLA hybrid (vLLM's CPU build runs MLA without it)
+
+
+def _text(**kwargs) -> dict:
+    return {**COMMON, **kwargs}
+
+
+_QWEN35_TEXT = dict(
+    model_type="qwen3_5_text", hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=64, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_num_key_heads=8, linear_num_value_heads=8,
+    layer_types=["linear_attention"] * 3 + ["full_attention"])
+_NEMOTRON_TEXT = dict(
+    model_type="nemotron_h", hidden_size=64, layers_block_type=["mamba", "attention", "mamba", "mlp"],
+    num_attention_heads=8, num_key_value_heads=8, head_dim=64, intermediate_size=128, ssm_state_size=16,
+    mamba_num_heads=8, mamba_head_dim=16, n_groups=2, conv_kernel=4, expand=2, chunk_size=16)
+_GDN_BF16_ONLY = ("auto",)  # "CPU GDN attention requires BF16"
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama", "LlamaForCausalLM", dict(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=64)),
+    "qwen3": Family("qwen3", "Qwen3ForCausalLM", dict(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
+        head_dim=64)),
+    "mamba": Family("mamba", "MambaForCausalLM", dict(
+        hidden_size=64, num_hidden_layers=2, state_size=16, expand=2, conv_kernel=4, intermediate_size=128)),
+    "falcon_mamba": Family("falcon_mamba", "FalconMambaForCausalLM", dict(
+        hidden_size=64, num_hidden_layers=2, state_size=16, expand=2, conv_kernel=4, intermediate_size=128)),
+    "mamba2": Family("mamba2", "Mamba2ForCausalLM", dict(
+        hidden_size=64, num_hidden_layers=2, state_size=16, num_heads=8, head_dim=16, expand=2, n_groups=1,
+        conv_kernel=4, chunk_size=16)),
+    "nemotron_h": Family("nemotron_h", "NemotronHForCausalLM", {k: v for k, v in _NEMOTRON_TEXT.items()
+                                                                 if k != "model_type"}),
+    "falcon_h1": Family("falcon_h1", "FalconH1ForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
         head_dim=64, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16,
         mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16)),
-    "lfm2": ("Lfm2ForCausalLM", dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+    "lfm2": Family("lfm2", "Lfm2ForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=8,
         conv_L_cache=3, block_auto_adjust_ff_dim=False, layer_types=["conv", "full_attention", "conv"],
         conv_dim=64, block_dim=64)),
-    "qwen3_next": ("Qwen3NextForCausalLM", dict(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+    "lfm2_moe": Family("lfm2_moe", "Lfm2MoeForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=8, conv_L_cache=3, layer_types=["conv", "full_attention", "conv"], num_experts=4,
+        num_experts_per_tok=2, num_dense_layers=1), edit={"conv_dim": 64}),
+    "qwen3_next": Family("qwen3_next", "Qwen3NextForCausalLM", dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
         head_dim=64, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_num_key_heads=4, linear_num_value_heads=4,
+        linear_num_key_heads=8, linear_num_value_heads=8,
         layer_types=["linear_attention"] * 3 + ["full_attention"], num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=64, shared_expert_intermediate_size=64, decoder_sparse_step=1)),
-    "jamba": ("JambaForCausalLM", dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+        moe_intermediate_size=64, shared_expert_intermediate_size=64, decoder_sparse_step=1),
+        dtypes=_GDN_BF16_ONLY),
+    "qwen3_5_text": Family("qwen3_5_text", "Qwen3_5ForCausalLM",
+                           {k: v for k, v in _QWEN35_TEXT.items() if k != "model_type"},
+                           dtypes=_GDN_BF16_ONLY, edit={"mamba_ssm_dtype": "float32"}),
+    "jamba": Family("jamba", "JambaForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
         attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=2,
         mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8, use_mamba_kernels=False)),
-    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+    "granitemoehybrid": Family("granitemoehybrid", "GraniteMoeHybridForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
         layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=8, mamba_d_head=16,
         mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, num_local_experts=2,
         num_experts_per_tok=1, shared_intermediate_size=128)),
+    "zamba2": Family("zamba2", "Zamba2ForCausalLM", dict(
+        hidden_size=64, num_hidden_layers=4, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=1,
+        n_mamba_heads=8, chunk_size=16, intermediate_size=128, num_attention_heads=8, num_mem_blocks=1,
+        layers_block_type=["mamba"] * 4), attention_layers=False),
+    # issue #30: new recurrent families
+    "olmo_hybrid": Family("olmo_hybrid", "OlmoHybridForCausalLM", dict(
+        hidden_size=512, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+        linear_num_key_heads=8, linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=64,
+        layer_types=["linear_attention"] * 3 + ["full_attention"]), dtypes=_GDN_BF16_ONLY),
+    "olmo_hybrid_released": Family("olmo_hybrid", "OlmoHybridForCausalLM", {}, dtypes=_GDN_BF16_ONLY, tps=(1, 2)),
+    # issue #30: multimodal wrappers read by their text config
+    "lfm2_vl": Family("lfm2_vl", "Lfm2VlForConditionalGeneration", dict(text_config=_text(
+        model_type="lfm2", hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=8, conv_L_cache=3, block_auto_adjust_ff_dim=False,
+        layer_types=["conv", "full_attention", "conv"], conv_dim=64, block_dim=64))),
+    "qwen3_5": Family("qwen3_5", "Qwen3_5ForConditionalGeneration",
+                      dict(text_config=_text(**_QWEN35_TEXT, mamba_ssm_dtype="float32")), dtypes=_GDN_BF16_ONLY),
+    "minicpmv4_6": Family("minicpmv4_6", "MiniCPMV4_6ForConditionalGeneration",
+                          dict(text_config=_text(**_QWEN35_TEXT, mamba_ssm_dtype="float32")), dtypes=_GDN_BF16_ONLY),
+    "minicpmv4_7": Family("minicpmv4_7", "MiniCPMV4_7ForConditionalGeneration",
+                          dict(text_config=_text(**_QWEN35_TEXT)), dtypes=_GDN_BF16_ONLY),
+    "interns2_preview": Family("qwen3_5_moe", "InternS2PreviewForConditionalGeneration", dict(text_config=_text(
+        **{**_QWEN35_TEXT, "model_type": "qwen3_5_moe_text"}, mamba_ssm_dtype="float32", num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64)),
+        dtypes=_GDN_BF16_ONLY),
+    "nemotron_h_omni": Family("nemotron_h_omni", "NemotronH_Nano_Omni_Reasoning_V3",
+                              dict(text_config=_text(**_NEMOTRON_TEXT))),
+    "nemotron_h_nano_vl": Family("nemotron_h_omni", "NemotronH_Nano_VL_V2", dict(text_config=_text(**_NEMOTRON_TEXT)),
+                                 rename=("text_config", "llm_config")),
+    # issue #30: MLA
+    "deepseek_v3_released": Family("deepseek_v3", "DeepseekV3ForCausalLM", {}),
+    "deepseek_v2": Family("deepseek_v2", "DeepseekV2ForCausalLM", dict(
+        hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=8,
+        kv_lora_rank=64, q_lora_rank=None, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1)),
+    "kimi_k2": Family("deepseek_v3", "DeepseekV3ForCausalLM", dict(
+        hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=8,
+        kv_lora_rank=128, q_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+        topk_group=1), edit={"model_type": "kimi_k2"}),
+    "kimi_k25": Family("kimi_k25", "KimiK25ForConditionalGeneration", dict(text_config=_text(
+        model_type="deepseek_v3", hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=3, num_attention_heads=8, kv_lora_rank=128, q_lora_rank=64, qk_nope_head_dim=32,
+        qk_rope_head_dim=32, v_head_dim=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_group=1, topk_group=1))),
+    # issue #30: linear attention + MLA, known to the audit by its architecture
+    "bailing_moe_v2_5": Family("bailing_hybrid", "BailingMoeV2_5ForCausalLM", dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+        head_dim=64, layer_group_size=2, group_norm_size=8, kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=32, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+        moe_intermediate_size=64, first_k_dense_replace=1, rms_norm_eps=1e-6, hidden_act="silu"),
+        remote_code=True, prefix_caching=False),
 }
-DTYPES = ("auto", "float32")
-GDN_BF16_ONLY = {"qwen3_next"}  # "CPU GDN attention requires BF16"
+
+MATRIX = [(name, tp, dtype) for name, family in FAMILIES.items() for tp in family.tps for dtype in family.dtypes]
+CASE_IDS = [f"{name}-tp{tp}-{dtype}" for name, tp, dtype in MATRIX]
+
+
+# A config class for a model type transformers does not know (vLLM loads it with trust_remote_code).
+_REMOTE_CONFIG = """from transformers import PretrainedConfig
+
+
+class RemoteConfig(PretrainedConfig):
+    model_type = {model_type!r}
+"""
+
+
+def _remote_config(model_type: str, path: Path, **kwargs):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "configuration_remote.py").write_text(_REMOTE_CONFIG.format(model_type=model_type))
+    namespace: dict = {}
+    exec(compile(_REMOTE_CONFIG.format(model_type=model_type), "configuration_remote.py", "exec"), namespace)
+    config = namespace["RemoteConfig"](**kwargs)
+    config.auto_map = {"AutoConfig": "configuration_remote.RemoteConfig"}
+    return config
+
+
+def _save(family: Family, path: Path) -> None:
+    import torch
+    import transformers
+
+    kwargs = {**({} if not family.kwargs else COMMON), **family.kwargs}
+    config = (_remote_config(family.model_type, path, **kwargs) if family.remote_code
+              else transformers.AutoConfig.for_model(family.model_type, **kwargs))
+    config.architectures = [family.architecture]
+    config.dtype = torch.bfloat16
+    config.save_pretrained(path)
+    document = json.loads((path / "config.json").read_text())
+    if family.rename:
+        old, new = family.rename
+        document[new] = document.pop(old)
+    for name, value in family.edit.items():
+        if value is None:
+            document.pop(name, None)
+        else:
+            document[name] = value
+    (path / "config.json").write_text(json.dumps(document, indent=1))
+
+
+def _run_probe(*args: str) -> dict:
+    done = subprocess.run([sys.executable, str(PROBE), *args], capture_output=True, text=True, timeout=1800)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    assert done.returncode == 0 and lines, f"vllm_probe.py {args[0]} failed:\n{done.stderr[-4000:]}"
+    return json.loads(lines[-1][len(RESULT_PREFIX):])
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    import torch
-    import transformers
-
     base = tmp_path_factory.mktemp("configs")
     made = {}
-    for model_type, (architecture, kwargs) in FAMILIES.items():
-        config = transformers.AutoConfig.for_model(model_type, **COMMON, **kwargs)
-        config.architectures = [architecture]
-        config.dtype = torch.bfloat16
-        path = base / f"{model_type}-tiny"
-        config.save_pretrained(path)
-        made[model_type] = path
+    for name, family in FAMILIES.items():
+        made[name] = base / f"{name}-tiny"
+        _save(family, made[name])
     return made
 
 
-def _vllm_answer(path, tp: int, dtype: str) -> dict:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    logging.disable(logging.WARNING)
-    import torch
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.models import ModelRegistry
-    from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
-
-    config = EngineArgs(model=str(path), skip_tokenizer_init=True, tensor_parallel_size=tp, dtype=dtype,
-                        enable_prefix_caching=True, enforce_eager=True, max_model_len=2048,
-                        distributed_executor_backend="mp" if tp > 1 else None).create_engine_config()
-    model_config, cache_config = config.model_config, config.cache_config
-    model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
-    backend = AttentionBackendEnum["CPU_ATTN"].get_class()
-    answer: dict = {"model_dtype": str(model_config.dtype).removeprefix("torch.")}
-    if hasattr(model_cls, "get_mamba_state_shape_from_config"):
-        shapes = model_cls.get_mamba_state_shape_from_config(config)
-        dtypes = model_cls.get_mamba_state_dtype_from_config(config)
-        spec = MambaSpec(shapes=tuple(tuple(s) for s in shapes), dtypes=tuple(dtypes), block_size=-1)
-        if model_config.is_hybrid:
-            current_platform._align_hybrid_block_size(config, backend)
-        regions, offset = [], 0
-        for name, shape, state_dtype in zip(("conv", "ssm"), spec.shapes, spec.dtypes):
-            length = math.prod(shape) * torch.tensor([], dtype=state_dtype).element_size()
-            regions.append((name, tuple(shape), str(state_dtype).removeprefix("torch."), offset, length))
-            offset += length
-        answer["state_regions"] = regions
-        answer["state_page"] = cache_config.mamba_page_size_padded or spec.page_size_bytes
-    kv_dtype = model_config.dtype
-    attention = FullAttentionSpec(block_size=cache_config.block_size,
-                                  num_kv_heads=model_config.get_num_kv_heads(config.parallel_config),
-                                  head_size=model_config.get_head_size(), dtype=kv_dtype)
-    answer["attention"] = {"block_size": cache_config.block_size, "dtype": str(kv_dtype).removeprefix("torch."),
-                           "page": attention.page_size_bytes, "heads": attention.num_kv_heads}
-    return answer
+@pytest.fixture(scope="module")
+def vllm_answers(model_dirs, tmp_path_factory):
+    cases = [{"id": case_id, "dir": str(model_dirs[name]), "tp": tp, "dtype": dtype,
+              "attention_layers": FAMILIES[name].attention_layers, "trust_remote_code": FAMILIES[name].remote_code,
+              "prefix_caching": FAMILIES[name].prefix_caching}
+             for case_id, (name, tp, dtype) in zip(CASE_IDS, MATRIX)]
+    path = tmp_path_factory.mktemp("probe") / "cases.json"
+    path.write_text(json.dumps(cases))
+    return _run_probe("answers", str(path))
 
 
-def _ours(path, tp: int, dtype: str) -> dict:
-    config = load_hf_config(path)
+def _layouts(path: Path, tp: int, dtype: str, platform: str):
     model_dtype = None if dtype == "auto" else dtype
-    layouts = layouts_from_hf_config(config, model=path.name, tp_size=tp, platform="cpu", model_dtype=model_dtype)
+    return layouts_from_hf_config(load_hf_config(path), model=path.name, tp_size=tp, platform=platform,
+                                  model_dtype=model_dtype)
+
+
+def _ours(path: Path, tp: int, dtype: str, latent: bool) -> dict:
+    config = load_hf_config(path)
     text, model_type = model_type_of(config)
     ours: dict = {"model_dtype": resolve_dtypes(model_type=model_type, text=text, config=config,
-                                                model_dtype=model_dtype, platform="cpu").model}
-    for layout in layouts:
+                                                model_dtype=None if dtype == "auto" else dtype, platform="cpu").model}
+    for layout in _layouts(path, tp, dtype, "cpu"):
         segment = next(segment for segment in layout.segments if segment.layer >= 0)
         if layout.kind == "attention":
             (kv,) = segment.regions
             ours["attention"] = {"block_size": kv.shape[1], "dtype": kv.dtype, "page": segment.length,
-                                 "heads": kv.shape[0]}
+                                 "heads": kv.shape[0], "head_size": kv.shape[2] // (1 if latent else 2)}
         else:
-            ours["state_regions"] = [(region.name, region.shape, region.dtype, region.offset - segment.offset,
-                                      region.length) for region in segment.regions if region.kind == "state"]
+            ours["state_regions"] = [[list(region.shape), region.dtype, region.offset - segment.offset, region.length]
+                                     for region in segment.regions if region.kind == "state"]
             ours["state_page"] = segment.length
     return ours
 
 
-MATRIX = [(family, tp, dtype) for family in FAMILIES for tp in (1, 2, 4) for dtype in DTYPES
-          if not (dtype == "float32" and family in GDN_BF16_ONLY)]
+def _rule_dtypes(path: Path, tp: int, dtype: str) -> list[str]:
+    """Our state dtypes on CUDA: the model's rules with no platform override."""
+    for layout in _layouts(path, tp, dtype, "cuda"):
+        if layout.kind != "attention":
+            segment = next(segment for segment in layout.segments if segment.layer >= 0)
+            return [region.dtype for region in segment.regions if region.kind == "state"]
+    return []
 
 
-@pytest.mark.parametrize("family, tp, dtype", MATRIX, ids=[f"{f}-tp{t}-{d}" for f, t, d in MATRIX])
-def test_layout_matches_vllm(model_dirs, family, tp, dtype):
-    path = model_dirs[family]
-    theirs = _vllm_answer(path, tp, dtype)
-    ours = _ours(path, tp, dtype)
+@pytest.mark.parametrize("name, tp, dtype", MATRIX, ids=CASE_IDS)
+def test_layout_matches_vllm(model_dirs, vllm_answers, name, tp, dtype):
+    theirs = dict(vllm_answers[f"{name}-tp{tp}-{dtype}"])
+    assert "error" not in theirs, theirs.get("error")
+    path = model_dirs[name]
+    ours = _ours(path, tp, dtype, theirs.pop("use_mla"))
+    rule_dtypes = theirs.pop("rule_state_dtypes", None)
+    theirs.pop("architecture")
+    theirs.pop("is_hybrid")
     if "state_regions" not in theirs:  # attention only: vLLM's attention page is the whole story
-        ours.pop("state_regions", None)
-        ours.pop("state_page", None)
+        assert "state_regions" not in ours
     if "attention" not in ours:  # pure state model: no attention page in its values
+        assert not FAMILIES[name].attention_layers or "state_regions" in theirs
         theirs.pop("attention")
     assert ours == theirs
+    if rule_dtypes is not None:
+        assert _rule_dtypes(path, tp, dtype) == rule_dtypes
+
+
+def test_matrix_covers_every_family_at_every_tp_its_heads_divide():
+    tps = {name: {tp for n, tp, _ in MATRIX if n == name} for name in FAMILIES}
+    assert all(tps[name] == set(TP_SIZES) for name in FAMILIES if not name.endswith("_released")), tps
+    assert tps["olmo_hybrid_released"] == {1, 2}  # 30 heads: TP 4 and 8 do not divide
+    assert tps["deepseek_v3_released"] == set(TP_SIZES)
