@@ -154,7 +154,13 @@ def _gdn(config: dict, options: _Options) -> list[Layout]:
         interval = _int(config, "full_attention_interval")
         kinds = [ATTENTION if (layer + 1) % interval == 0 else STATE
                  for layer in range(_int(config, "num_hidden_layers"))]
-    states = gdn_states(
+    states = _linear_gdn_states(config, options)
+    return _layouts(config, options, "gdn", states, kinds)
+
+
+def _linear_gdn_states(config: dict, options: _Options):
+    """The GDN states of the Qwen3-Next family's ``linear_*`` config keys (OLMo Hybrid uses them too)."""
+    return gdn_states(
         num_k_heads=_int(config, "linear_num_key_heads"),
         num_v_heads=_int(config, "linear_num_value_heads"),
         head_k_dim=_int(config, "linear_key_head_dim"),
@@ -162,7 +168,6 @@ def _gdn(config: dict, options: _Options) -> list[Layout]:
         conv_kernel=_int(config, "linear_conv_kernel_dim"), tp_size=options.tp_size,
         conv_dtype=options.conv_dtype, ssm_dtype=options.ssm_dtype,
         conv_layout=options.conv_layout)
-    return _layouts(config, options, "gdn", states, kinds)
 
 
 def _olmo_hybrid(config: dict, options: _Options) -> list[Layout]:
@@ -171,14 +176,7 @@ def _olmo_hybrid(config: dict, options: _Options) -> list[Layout]:
     if not config.get("layer_types"):
         raise LayoutError("olmo_hybrid config.json has no 'layer_types'")
     kinds = _layer_kinds(config["layer_types"], "layer_types", {"linear_attention", "full_attention"})
-    states = gdn_states(
-        num_k_heads=_int(config, "linear_num_key_heads"),
-        num_v_heads=_int(config, "linear_num_value_heads"),
-        head_k_dim=_int(config, "linear_key_head_dim"),
-        head_v_dim=_int(config, "linear_value_head_dim"),
-        conv_kernel=_int(config, "linear_conv_kernel_dim"), tp_size=options.tp_size,
-        conv_dtype=options.conv_dtype, ssm_dtype=options.ssm_dtype,
-        conv_layout=options.conv_layout)
+    states = _linear_gdn_states(config, options)
     heads = _int(config, "num_attention_heads")
     kv_heads = config.get("num_key_value_heads") or heads
     attention = AttentionShape(max(1, kv_heads // options.tp_size), _int(config, "hidden_size") // heads,
