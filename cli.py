@@ -515,7 +515,7 @@ def purge(
 
 
 @app.command()
-@_takes(_connection_options, _key_options, _model_options, after=(_report_options,))
+@_takes(_connection_options, _key_options, _model_options, _block_table_options, after=(_report_options,))
 def verify(*, reference_prefix: Annotated[Optional[str], typer.Option(
                "--reference-prefix", envvar="MOONCAKE_AUDIT_REFERENCE_PREFIX",
                help="The reference producer's cache_prefix (its keys are '<prefix>@<model>@...'). Required.")] = None,
@@ -534,12 +534,17 @@ def verify(*, reference_prefix: Annotated[Optional[str], typer.Option(
            engine_arg: Annotated[Optional[list[str]], typer.Option(
                "--engine-arg", metavar="NAME=JSON", help="One more vLLM LLM(...) argument for the reference "
                                                          "engine (dtype=\"float32\", block_size=16). Repeatable.")] = None,
+           cut_at_boundaries: Annotated[bool, typer.Option(
+               "--cut-at-boundaries/--no-cut-at-boundaries",
+               help="With --engine: run every prompt cut one token after each block boundary too, so every "
+                    "chunk of it has a reference key (cut at --block-size, else the producer's manifest in "
+                    "--block-tables, else the engine's own block size).")] = True,
            **options) -> None:
     """Compare production values with a reference producer's recomputation of the same keys.
 
     Every production key with a twin under --reference-prefix (same model, ranks, group and chunk
     hash) is read with it and compared region by region: DIVERGENT_STATE beyond the tolerances.
-    Keys without a twin are counted (summary 'verify'), not flagged. Exit codes: 0 clean,
+    Keys without a twin are counted and named with the reason (summary 'verify'), not flagged. Exit codes: 0 clean,
     1 findings, 2 could not run, 3 incomplete.
     """
     from audit.sources.selection import parse_sample
@@ -560,11 +565,12 @@ def verify(*, reference_prefix: Annotated[Optional[str], typer.Option(
         settings = _settings(**connection)
         keys = _pick(options, _key_options)
         model_options = _pick(options, _model_options)
-        plan = _plan(**model_options, include_all=include_all)
+        plan = _plan(**model_options, **_pick(options, _block_table_options), include_all=include_all)
         reference_run = None
         if engine is not None:
             reference_run = _reference_engine(engine, prompts, engine_arg or [], reference_prefix, settings,
-                                              connection["config"], model_options, plan)
+                                              connection["config"], model_options, plan,
+                                              cut_at_boundaries=cut_at_boundaries)
         report = run_verify(settings, VerifyOptions(
             reference_prefix=reference_prefix, plan=plan, prefix=keys["prefix"], match=keys["match"],
             tolerances=Tolerances(DEFAULT_RTOL if rtol is None else rtol,
@@ -580,12 +586,15 @@ def verify(*, reference_prefix: Annotated[Optional[str], typer.Option(
     typer.echo(f"verify: {summary['pairs_compared']} pair(s) compared, {summary['divergent']} divergent; "
                f"{summary['unverified']} production key(s) unverified (no twin), "
                f"{summary['reference_without_twin']} reference key(s) without a production twin", err=True)
+    for reason, count in summary["unverified_reasons"].items():
+        typer.echo(f"verify: {count} unverified: {reason}", err=True)
     raise typer.Exit(report.exit_code)
 
 
-def _reference_engine(engine, prompts, engine_args, reference_prefix, settings, config, model_options, plan) -> dict:
+def _reference_engine(engine, prompts, engine_args, reference_prefix, settings, config, model_options, plan,
+                      cut_at_boundaries=True) -> dict:
     """Run the reference producer (audit/verify/driver.py) with the operator's vLLM python."""
-    from audit.verify.engine import read_prompts, run_reference
+    from audit.verify.engine import cut_block_size, manifest_engine_block_size, read_prompts, run_reference
     from audit.verify.pairing import normalize_prefix
 
     model_dirs = [path for path in model_options.get("model_config") or () if Path(path).is_dir()]
@@ -605,6 +614,13 @@ def _reference_engine(engine, prompts, engine_args, reference_prefix, settings, 
                          ("mamba_ssm_cache_dtype", "ssm_dtype"), ("kv_cache_dtype", "kv_cache_dtype")):
         if flags.get(option):
             spec[name] = flags[option]
+    if "block_size" not in spec and (produced := manifest_engine_block_size(plan.manifests, model_dir.name)):
+        spec["block_size"] = produced  # the producer's, from its manifest: chunk hashes are per block
+    spec["cut_at_boundaries"] = bool(cut_at_boundaries)
+    if cut_at_boundaries:
+        size, source = cut_block_size(flags.get("block_size"), plan.manifests, model_dir.name)
+        if size:  # else the driver cuts at its engine's own block size
+            spec.update(cut_block_size=size, cut_block_size_from=source)
     for item in engine_args:
         name, sep, value = item.partition("=")
         if not sep or not name:
@@ -613,7 +629,9 @@ def _reference_engine(engine, prompts, engine_args, reference_prefix, settings, 
             spec[name] = json.loads(value)
         except json.JSONDecodeError:
             spec[name] = value
-    typer.echo(f"verify: running {len(spec['prompts'])} prompt(s) through the reference engine ...", err=True)
+    cuts = "" if not cut_at_boundaries else (f", each cut at every {spec['cut_block_size']} tokens"
+                                              if spec.get("cut_block_size") else ", each cut at every block")
+    typer.echo(f"verify: running {len(spec['prompts'])} prompt(s) through the reference engine{cuts} ...", err=True)
     return run_reference(engine, spec, settings, config)
 
 

@@ -11,7 +11,11 @@ The engine is set up so that every state it publishes is its own recomputation:
   - prompts run one at a time (``max_num_seqs`` 1 unless the spec says otherwise), so no
     production batch composition is reproduced by accident;
   - local prefix caching stays on by default, because vLLM's align-mode Mamba boundary puts need
-    it; with ``"prefix_caching": false`` it is off.
+    it; with ``"prefix_caching": false`` it is off;
+  - each prompt is cut at every block boundary (`cut_prompts`): vLLM 0.32 publishes a Mamba state
+    only at the end of a prompt (a prompt ending exactly on a boundary publishes the block before),
+    so the prompt is also run cut one token after each multiple of the block size; with the local
+    prefix cache each cut computes only its last block. Cuts equal to an earlier one are dropped.
 
 SPEC (JSON object):
   model           model directory or name (its basename is the model field of every key: give the
@@ -21,6 +25,9 @@ SPEC (JSON object):
   block_size, dtype, tp, max_model_len, max_num_seqs, mamba_cache_mode, mamba_cache_dtype,
   mamba_ssm_cache_dtype, kv_cache_dtype, prefix_caching, extra (more LLM(...) keyword arguments)
   max_tokens      tokens to generate per prompt (default 1: the prompt's state is what is published)
+  cut_at_boundaries  run every prompt cut at each block boundary too (default true)
+  cut_block_size  the block size to cut at (default: the engine's own, after start-up: its Mamba
+                  block size, else its block size); cut_block_size_from says where it came from
   out             where the result JSON goes (optional)
 
 The Mooncake config comes from ``MOONCAKE_CONFIG_PATH``, as for any vLLM producer.
@@ -29,9 +36,11 @@ The Mooncake config comes from ``MOONCAKE_CONFIG_PATH``, as for any vLLM produce
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import sys
 import time
+from array import array
 
 
 def engine_kwargs(spec: dict) -> dict:
@@ -51,6 +60,47 @@ def engine_kwargs(spec: dict) -> dict:
         kwargs.update(tensor_parallel_size=int(spec["tp"]), distributed_executor_backend="mp")
     kwargs.update(spec.get("extra") or {})
     return kwargs
+
+
+def boundary_cuts(length: int, block_size: int) -> list[int]:
+    """The lengths to run a prompt of `length` tokens at: one token after each multiple of the block
+    size (a prompt of ``k * block_size + 1`` tokens publishes the state of its first ``k`` blocks),
+    then the whole prompt (unless it is the last cut). Ascending, so each cut reuses the one before."""
+    if block_size <= 0:
+        raise ValueError(f"block size {block_size}: must be positive")
+    cuts = [k * block_size + 1 for k in range(1, (length - 1) // block_size + 1)]
+    if length > 0 and (not cuts or cuts[-1] != length):
+        cuts.append(length)
+    return cuts
+
+
+def cut_prompts(prompts: list[list[int]], block_size: int | None) -> list[tuple[int, int]]:
+    """The requests the reference runs, as (prompt index, length) in order: each prompt's cuts
+    (`boundary_cuts`; the whole prompt only, when `block_size` is None), prompt after prompt. A cut
+    whose tokens equal an earlier request's (a prefix two prompts share, a prompt given twice) is
+    dropped: it would publish the same keys. Compared by length and a digest of the tokens."""
+    seen: set[tuple[int, bytes]] = set()
+    requests = []
+    for index, prompt in enumerate(prompts):
+        digest, position = hashlib.blake2b(digest_size=16), 0
+        for cut in (boundary_cuts(len(prompt), block_size) if block_size else [len(prompt)]):
+            digest.update(array("q", prompt[position:cut]).tobytes())
+            position = cut
+            identity = (cut, digest.copy().digest())
+            if identity not in seen:
+                seen.add(identity)
+                requests.append((index, cut))
+    return requests
+
+
+def engine_block_sizes(llm) -> dict:
+    """The block sizes the engine resolved (after start-up: vLLM may raise a hybrid's block)."""
+    try:
+        cache = llm.llm_engine.vllm_config.cache_config
+    except AttributeError:  # another vLLM's engine layout: the spec's cut_block_size is needed then
+        return {"block_size": None, "mamba_block_size": None}
+    return {"block_size": getattr(cache, "block_size", None),
+            "mamba_block_size": getattr(cache, "mamba_block_size", None)}
 
 
 def main(argv: list[str]) -> int:
@@ -74,13 +124,31 @@ def main(argv: list[str]) -> int:
     ready = time.monotonic()
     params = SamplingParams(temperature=0.0, max_tokens=int(spec.get("max_tokens", 1)), ignore_eos=True,
                             detokenize=False)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in spec["prompts"]], params,
-                           use_tqdm=False)
+    prompts = spec["prompts"]
+    sizes = engine_block_sizes(llm)
+    cut = bool(spec.get("cut_at_boundaries", True))
+    block_size = (spec.get("cut_block_size") or sizes["mamba_block_size"] or sizes["block_size"]) if cut else None
+    if cut and not block_size:
+        print("driver: cannot read the engine's block size to cut the prompts at: give cut_block_size "
+              "(verify --block-size)", file=sys.stderr)
+        return 2
+    requests = cut_prompts(prompts, int(block_size) if block_size else None)
+    counts = {"prompt": 0, "cached": 0}
+    batch = int(spec.get("generate_batch", 256))  # requests per generate call: bounded memory, same order
+    for start in range(0, len(requests), batch):
+        chunk = requests[start:start + batch]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=list(prompts[i][:n])) for i, n in chunk], params,
+                               use_tqdm=False)
+        counts["prompt"] += sum(n for _, n in chunk)
+        counts["cached"] += sum(o.num_cached_tokens or 0 for o in outputs)
     generated = time.monotonic()
     time.sleep(float(spec.get("settle_s", 1.0)))  # the connector's sending thread puts asynchronously
-    result = {"prompts": len(spec["prompts"]), "cache_prefix": spec["cache_prefix"],
-              "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-              "cached_tokens": [o.num_cached_tokens or 0 for o in outputs],
+    result = {"prompts": len(prompts), "requests": len(requests), "cache_prefix": spec["cache_prefix"],
+              "cut_at_boundaries": cut, "block_size": int(block_size) if block_size else None,
+              "block_size_from": (spec.get("cut_block_size_from") or "spec") if spec.get("cut_block_size")
+              else ("engine" if cut else None),
+              "engine_block_size": sizes["block_size"], "engine_mamba_block_size": sizes["mamba_block_size"],
+              "token_counts": {**counts, "computed": counts["prompt"] - counts["cached"]},
               "seconds": {"engine_start": round(ready - started, 1), "generate": round(generated - ready, 1)}}
     if spec.get("out"):
         with open(spec["out"], "w") as handle:

@@ -42,6 +42,36 @@ def read_prompts(path: Path) -> list[list[int]]:
     return prompts
 
 
+def manifest_groups(manifests, model: str) -> list[tuple[dict, object]]:
+    """(group, manifest) for every group with a block size in the producer's manifests of `model`
+    (`ProducerManifests` from ``--block-tables``, or None)."""
+    return [(group, manifest) for manifest in (manifests.manifests if manifests is not None else ())
+            if manifest.document.get("model") == model
+            for group in manifest.document.get("groups") or () if group.get("block_size")]
+
+
+def cut_block_size(operator_block_size: int | None, manifests, model: str) -> tuple[int | None, str]:
+    """The block size the reference driver cuts prompts at, and where it came from: the operator's
+    ``--block-size``; else the producer's manifest: the smallest block of the model's Mamba groups
+    (a hybrid raises its attention block; FACTS §8), or of any group where it has none; else None:
+    the driver takes its engine's own after start-up."""
+    if operator_block_size:
+        return int(operator_block_size), "--block-size"
+    groups = manifest_groups(manifests, model)
+    mamba = [(group, manifest) for group, manifest in groups if group.get("states") or group.get("mamba_type")]
+    if mamba or groups:
+        group, manifest = min(mamba or groups, key=lambda item: int(item[0]["block_size"]))
+        return int(group["block_size"]), f"manifest {manifest.path} (group {group.get('group')})"
+    return None, "engine"
+
+
+def manifest_engine_block_size(manifests, model: str) -> int | None:
+    """The block size the producer's engine ran with, when its manifests give one for every group
+    (the reference must run with it: chunk hashes are per block); None when they differ or are absent."""
+    sizes = {int(group["block_size"]) for group, _ in manifest_groups(manifests, model)}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
 def mooncake_config_for(settings: Settings, config: Path | None, work: Path) -> Path:
     """The connector's JSON config: the operator's (--config), else one written from the settings."""
     if config is not None:
@@ -94,5 +124,4 @@ def run_reference(python: str, spec: dict, settings: Settings, config: Path | No
             log(output)
         result = json.loads((work / "out.json").read_text())
     result["wall_s"] = round(time.monotonic() - started, 1)
-    result.pop("tokens", None)
     return result

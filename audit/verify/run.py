@@ -3,8 +3,9 @@
 List every key once; split it into reference keys (the reference producer's cache prefix) and
 production keys; pair them (`pairing`); read each pair with lease reads into registered buffers;
 compare region by region with the layout (`compare`); run the usual per-key checks on the
-production value too. Production keys without a twin are "unverified" (counted, not flagged);
-reference keys without a production twin are counted as coverage (summary ``verify``).
+production value too. Production keys without a twin are "unverified" (counted, not flagged, the
+first 100 named with the reason: `Pairing.unverified_summary`); reference keys without a production
+twin are counted as coverage (summary ``verify``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from audit.run.scan import check_batch
 from audit.sources.listing import AdminListing, KeyFilter
 from audit.sources.selection import select_keys
 from audit.verify.compare import PairResult, Tolerances, compare_values
-from audit.verify.pairing import Pairing, normalize_prefix, pair_keys
+from audit.verify.pairing import NOT_CUT, NOT_PUBLISHED, PROMPT_NOT_GIVEN, Pairing, normalize_prefix, pair_keys
 
 
 @dataclass
@@ -188,7 +189,15 @@ def _verify_summary(options: VerifyOptions, pairing: Pairing, pairs: list, stats
                                "max_abs": float(f"{stats['max_abs']:.6g}"),
                                "over": stats["compared"] - stats["divergent"] - stats["compared_bytes_only"]},
                "unverified_examples": [key.name for key in pairing.unverified[:5]],
+               **pairing.unverified_summary(_absent_reason(options.reference_run)),
                "reference_without_twin_examples": [key.name for key in pairing.uncovered[:5]]}
     if options.reference_run is not None:
         summary["reference_run"] = options.reference_run
     return summary
+
+
+def _absent_reason(reference_run: dict | None) -> str:
+    """Why a production key's chunk has no reference key at all, by how the reference was made."""
+    if reference_run is None:  # published beforehand: how is not known here
+        return NOT_PUBLISHED
+    return PROMPT_NOT_GIVEN if reference_run.get("cut_at_boundaries") else NOT_CUT

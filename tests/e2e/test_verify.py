@@ -1,12 +1,15 @@
 """`mooncake-audit verify` on a real vLLM (issue #16): production states compared with a reference
 producer's recomputation, on the tiny Mamba2 model of the harness (float32, align mode, block 16).
 
-Four vLLM runs in all (each in its own process, in-process engine core):
+Eight vLLM runs in all (each in its own process, in-process engine core):
   cluster A: a clean production run; the reference run, driven by `verify --engine`; a production
              run with other weights (a second seed) under the same model name, published under a
              cache prefix of its own;
   cluster B: production with vLLM #53084 put back; the reference namespace copied from cluster A
-             (a reference published beforehand).
+             (a reference published beforehand);
+  cluster C: second-order damage (issue #29): a #53084 writer, then a second kv_both engine with the
+             bug that extends writer prompts, loads a zero key and publishes non-zero wrong states;
+             `verify --engine` with every prompt both ran, without the cuts and with them (default).
 The measured noise floor is written to verify_observed.json beside this file (docs/verify.md).
 """
 
@@ -14,14 +17,16 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.e2e import harness
-from tests.e2e.conftest import MAMBA2_BLOCK, exact_prefix_prompts, writer_prompts
+from tests.e2e.conftest import MAMBA2_BLOCK, READER_CHUNKS, exact_prefix_prompts, writer_prompts
 
 MODEL = "mamba2-tiny"
 REF = "verify-ref"
@@ -58,9 +63,30 @@ def _make_model(out: Path, seed: int) -> Path:
     return out / MODEL
 
 
-def _verify(config: Path, cluster, model_dir: Path, *extra: str, timeout_s: float = 300) -> tuple[int, dict, str]:
+def extension_prompts() -> list[list[int]]:
+    """Writer i cut at its chunk READER_CHUNKS[i] (an interior chunk: null-backed in a #53084 writer's
+    store) then three fresh full blocks and 5 tokens: a kv_both engine loads the zero state there and
+    computes the new chunks on from it (second-order damage)."""
+    rng = random.Random(5308429)
+    return [w[:k * MAMBA2_BLOCK] + [rng.randrange(3, 512) for _ in range(3 * MAMBA2_BLOCK + 5)]
+            for w, k in zip(writer_prompts(), READER_CHUNKS)]
+
+
+def expected_requests(prompts: list[list[int]], block: int) -> int:
+    """What the driver should run, counted here independently of it: per distinct prompt, one cut one
+    token after each boundary and the whole prompt (when it is not the last cut), each distinct cut once."""
+    cuts = set()
+    for prompt in prompts:
+        cuts.update(tuple(prompt[:k * block + 1]) for k in range(1, (len(prompt) - 1) // block + 1))
+        cuts.add(tuple(prompt))
+    return len(cuts)
+
+
+def _verify(config: Path, cluster, model_dir: Path, *extra: str, timeout_s: float = 300,
+            reference_prefix: str = REF) -> tuple[int, dict, str]:
     argv = [*harness.cli_command(), "verify", "--config", str(config), "--admin", cluster.admin_url,
-            "--model-config", str(model_dir), "--reference-prefix", REF, "--format", "json", "--all", *extra]
+            "--model-config", str(model_dir), "--reference-prefix", reference_prefix, "--format", "json", "--all",
+            *extra]
     process = subprocess.run(argv, cwd=harness.REPO, env=_engine_env(), capture_output=True, text=True,
                              timeout=timeout_s)
     assert process.returncode in (0, 1, 3), f"exit {process.returncode}: {process.stderr[-2000:]}"
@@ -92,8 +118,9 @@ def state(tmp_path_factory):
     yield s
     for cluster in s.clusters:
         cluster.stop()
-    if s.observed:
-        OBSERVED.write_text(json.dumps(s.observed, indent=2) + "\n")
+    if s.observed:  # merged: a run of some of the tests keeps the others' measurements
+        previous = json.loads(OBSERVED.read_text()) if OBSERVED.exists() else {}
+        OBSERVED.write_text(json.dumps({**previous, **s.observed}, indent=2) + "\n")
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +144,9 @@ def test_clean_production_matches_its_reference(state, cluster_a):
     _, _, production, (code, document, stderr) = cluster_a
     summary = document["summary"]["verify"]
     assert summary["reference_run"]["prompts"] == len(boundary_prompts())
+    # prompts cut by hand are not cut again: each already ends one token after a boundary
+    assert summary["reference_run"]["requests"] == len(boundary_prompts())
+    assert summary["reference_run"]["cut_at_boundaries"] and summary["reference_run"]["block_size"] == 16
     assert summary["reference_keys"] == len(boundary_prompts())
     assert summary["pairs"] == len(production) == summary["production_keys"], summary
     assert summary["unverified"] == 0 and summary["pairs_compared"] == len(production)
@@ -134,7 +164,8 @@ def test_other_weights_under_the_same_name_flag_every_twin(state, cluster_a):
     spec = state.root / "a" / "seed2.json"
     spec.write_text(json.dumps({"model": str(seed2), "prompts": writer_prompts(), "cache_prefix": SEED2,
                                 "block_size": MAMBA2_BLOCK, "dtype": "float32", "mamba_cache_mode": "align",
-                                "max_num_seqs": 8, "out": str(state.root / "a" / "seed2.out.json")}))
+                                "max_num_seqs": 8, "cut_at_boundaries": False,  # a production: prompts as given
+                                "out": str(state.root / "a" / "seed2.out.json")}))
     subprocess.run([sys.executable, "-m", "audit.verify.driver", str(spec)], cwd=harness.REPO, check=True,
                    env=_engine_env(config), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=400)
     seed2_keys = {k for k in harness.all_keys(cluster) if k.startswith(SEED2 + "@")}
@@ -208,3 +239,134 @@ def test_53084_null_backed_keys_are_flagged_exactly(state, cluster_a):
     assert summary["unverified"] == 0, summary["unverified_examples"]
     assert code == 1
     assert flagged == truth, (len(flagged), len(truth), sorted(flagged ^ truth)[:3])
+
+
+# ---- second-order damage (issue #29 item 5): keys no byte check can see -------------------------------
+
+
+def _values(config: Path, cluster, keys) -> dict[str, bytes]:
+    from audit.connection import Settings, open_store
+
+    store = open_store(Settings.resolve(config=config, admin=cluster.admin_url, local_hostname="127.0.0.1"))
+    try:
+        return {key: bytes(store.get(key)) for key in keys}
+    finally:
+        store.close()
+
+
+def _records(directory: Path, kind: str) -> list[dict]:
+    return [r for r in harness.read_records(directory) if r["_source"].startswith(kind + "-")]
+
+
+@pytest.fixture(scope="module")
+def second_order(state):
+    """Cluster C: a #53084 writer, then a kv_both extender with the bug on; then `verify --engine`
+    with the prompts both ran (the production log), first without the cuts, then with them."""
+    cluster, config = state.cluster("c")
+    work = state.root / "c"
+    writer_records, extender_records = work / "records-writer", work / "records-extender"
+    writer = harness.run_engine(state.models, config, [writer_prompts()], work, max_tokens=4, bug=True,
+                                retention_none=True, record_dir=writer_records, drain=True, name="writer", **ENGINE)
+    after_writer = set(harness.all_keys(cluster))
+    extender = harness.run_engine(state.models, config, [extension_prompts()], work, max_tokens=4, bug=True,
+                                  retention_none=True, record_dir=extender_records, drain=True, name="extender",
+                                  **ENGINE)
+    production = {k for k in harness.all_keys(cluster) if k.startswith(MODEL + "@")}
+    values = _values(config, cluster, sorted(production))
+    prompts = work / "prompts.jsonl"
+    logged = writer_prompts() + extension_prompts()
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in logged))
+    common = ("--engine", sys.executable, "--prompts", str(prompts), "--engine-arg", 'dtype="float32"',
+              "--block-tables", str(writer_records), "--block-tables", str(extender_records), "--prefix", MODEL + "@")
+    runs = {}
+    for name, prefix, extra in (("no_cuts", "verify-nocut", ("--no-cut-at-boundaries",)), ("cuts", REF, ())):
+        started = time.monotonic()
+        code, document, stderr = _verify(config, cluster, state.models, *common, *extra, reference_prefix=prefix,
+                                         timeout_s=600)
+        runs[name] = {"code": code, "document": document, "stderr": stderr,
+                      "wall_s": round(time.monotonic() - started, 1)}
+    return {"cluster": cluster, "config": config, "production": production, "after_writer": after_writer,
+            "values": values, "writer_records": writer_records, "extender_records": extender_records,
+            "runs": runs, "logged": logged, "engine_s": {"writer": writer.wall_s, "extender": extender.wall_s}}
+
+
+def test_second_order_damage_every_wrong_key_is_divergent_and_every_key_has_a_twin(state, second_order):
+    production, values = second_order["production"], second_order["values"]
+    zero = {key for key, value in values.items() if value.count(0) == len(value)}
+    extender_keys = production - second_order["after_writer"]
+    # ground truth from the extender's own records: every request it served loaded keys, all zero
+    loads = [r for r in _records(second_order["extender_records"], "loads") if r.get("rc", -1) >= 0]
+    by_request: dict[str, set] = {}
+    for record in loads:
+        by_request.setdefault(record["request_id"], set()).add(record["key"])
+    assert len(by_request) == len(extension_prompts()), sorted(by_request)
+    assert set().union(*by_request.values()) <= zero, "an extender request loaded a non-zero key"
+    puts = harness.first_successful_put(_records(second_order["extender_records"], "blocks"))
+    assert extender_keys <= set(puts), "a new key the extender's recorder did not record"
+    wrong = extender_keys - zero            # published after loading an all-zero state: non-zero, wrong
+    good = production - zero - wrong
+    assert wrong, "the extender published no non-zero state: the second-order case did not happen"
+    assert good, "no good key to compare against"
+
+    cut = second_order["runs"]["cuts"]
+    document, summary = cut["document"], cut["document"]["summary"]["verify"]
+    flagged = _divergent(document)
+    compared = {r["key"] for r in document["keys"]}
+    unlisted = {entry["key"] for entry in summary["unverified_keys"]}
+    run = summary["reference_run"]
+
+    before = second_order["runs"]["no_cuts"]
+    before_summary = before["document"]["summary"]["verify"]
+    before_compared = {r["key"] for r in before["document"]["keys"]}
+    state.observed["second_order"] = {
+        "production_keys": len(production), "zero": len(zero), "wrong_nonzero": len(wrong), "good": len(good),
+        "extender_requests_loading_zero": len(by_request), "engine_s": second_order["engine_s"],
+        "no_cuts": {"pairs_compared": before_summary["pairs_compared"], "unverified": before_summary["unverified"],
+                    "flagged": len(_divergent(before["document"])),
+                    "wrong_flagged": len(wrong & _divergent(before["document"])),
+                    "reference_requests": before_summary["reference_run"]["requests"],
+                    "reference_keys": before_summary["reference_keys"], "wall_s": before["wall_s"],
+                    "token_counts": before_summary["reference_run"]["token_counts"],
+                    "engine_seconds": before_summary["reference_run"]["seconds"],
+                    "unverified_reasons": before_summary["unverified_reasons"]},
+        "cuts": {"pairs_compared": summary["pairs_compared"], "unverified": summary["unverified"],
+                 "flagged": len(flagged), "wrong_flagged": len(wrong & flagged), "good_flagged": len(good & flagged),
+                 "reference_requests": run["requests"], "reference_keys": summary["reference_keys"],
+                 "reference_without_twin": summary["reference_without_twin"], "block_size": run["block_size"],
+                 "block_size_from": run["block_size_from"].split()[0], "token_counts": run["token_counts"],
+                 "engine_seconds": run["seconds"], "wall_s": cut["wall_s"], "noise_floor": summary["noise_floor"],
+                 "wrong": sorted([r["evidence"]["divergent_state"]["max_rel_l2"],
+                                  r["evidence"]["divergent_state"]["min_cosine"]]
+                                 for r in document["findings"] if r["key"] in wrong)}}
+
+    # the cuts: the block size came from the producer's manifest, each distinct cut ran once
+    assert run["cut_at_boundaries"] and run["block_size"] == MAMBA2_BLOCK
+    assert run["block_size_from"].startswith("manifest "), run["block_size_from"]
+    assert run["prompts"] == len(second_order["logged"])
+    assert run["requests"] == expected_requests(second_order["logged"], MAMBA2_BLOCK)
+    # every production key has a twin; were one without, the summary would name it
+    assert compared | unlisted == production and not compared & unlisted
+    assert summary["unverified"] == len(unlisted) == 0, summary["unverified_keys"][:3]
+    assert summary["pairs_compared"] == len(production) and summary["pairs_compared_bytes_only"] == 0
+    # the goal: every wrong non-zero key is DIVERGENT_STATE, no good key is (zero keys are too)
+    assert wrong <= flagged, sorted(wrong - flagged)
+    assert not good & flagged, sorted(good & flagged)
+    assert flagged == zero | wrong
+    assert cut["code"] == 1
+    assert summary["noise_floor"]["over"] == len(good) and summary["noise_floor"]["max_rel_l2"] <= 1e-3
+
+
+def test_second_order_without_the_cuts_names_every_key_without_a_twin(state, second_order):
+    from audit.verify.pairing import NOT_CUT
+
+    production = second_order["production"]
+    before = second_order["runs"]["no_cuts"]
+    document, summary = before["document"], before["document"]["summary"]["verify"]
+    compared = {r["key"] for r in document["keys"]}
+    unlisted = {entry["key"] for entry in summary["unverified_keys"]}
+    # only each prompt's last boundary is published: one key per distinct prompt
+    assert summary["reference_run"]["requests"] == len(second_order["logged"])
+    assert summary["reference_keys"] == len(second_order["logged"])
+    assert 0 < summary["unverified"] == len(production) - len(compared)
+    assert summary["unverified"] <= 100 and unlisted == production - compared
+    assert summary["unverified_reasons"] == {NOT_CUT: summary["unverified"]}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import jsonschema
 import numpy as np
@@ -15,8 +16,11 @@ from audit.layouts import layouts_from_hf_config
 from audit.records import KeyInfo
 from audit.simulate import TINY_MAMBA2
 from audit.verify import Tolerances, compare_values, pair_keys
-from audit.verify.engine import read_prompts
-from audit.verify.run import pair_batches
+from audit.verify.driver import boundary_cuts, cut_prompts
+from audit.verify.engine import cut_block_size, manifest_engine_block_size, read_prompts
+from audit.verify.pairing import (NO_REFERENCE, NOT_CUT, NOT_PUBLISHED, NOTHING_PAIRS, PROMPT_NOT_GIVEN,
+                                  UNVERIFIED_LISTED)
+from audit.verify.run import _absent_reason, pair_batches
 from tests.helpers import report_schema, run_cli
 
 MODEL = "tiny-m2"
@@ -171,6 +175,136 @@ def test_driver_engine_kwargs_never_look_up_and_use_the_prefix():
     assert kwargs["max_num_seqs"] == 1 and kwargs["block_size"] == 16 and kwargs["enable_prefix_caching"]
 
 
+# ---- cutting prompts at block boundaries (the reference driver) ------------------------------------------
+
+
+@pytest.mark.parametrize("length, block, cuts", [
+    (149, 16, [17, 33, 49, 65, 81, 97, 113, 129, 145, 149]),   # 9 boundaries, then the whole prompt
+    (145, 16, [17, 33, 49, 65, 81, 97, 113, 129, 145]),        # the whole prompt is the last cut
+    (144, 16, [17, 33, 49, 65, 81, 97, 113, 129, 144]),        # ends on a boundary: publishes block 8 only
+    (33, 16, [17, 33]), (32, 16, [17, 32]), (17, 16, [17]), (16, 16, [16]), (5, 16, [5]), (1, 16, [1]),
+    (1200, 544, [545, 1089, 1200]),                             # a hybrid's raised block
+])
+def test_boundary_cuts_one_token_after_each_boundary_then_the_whole(length, block, cuts):
+    assert boundary_cuts(length, block) == cuts
+    # a cut of k * block + 1 tokens publishes the state after its first k blocks: one cut per boundary
+    boundaries = [(c - 1) // block for c in cuts if c > 1 and (c - 1) % block == 0]
+    assert boundaries == list(range(1, (length - 1) // block + 1))
+
+
+def test_boundary_cuts_refuse_a_non_positive_block():
+    with pytest.raises(ValueError):
+        boundary_cuts(10, 0)
+
+
+def test_cut_prompts_order_and_dedupe():
+    a = list(range(100, 140))                    # 40 tokens: cuts 17, 33, 40
+    b = a[:20] + list(range(300, 320))           # shares a's first 20 tokens: its 17-token cut is a's
+    c = list(a)                                  # a given twice
+    d = a[:17]                                   # exactly a's first cut
+    assert cut_prompts([a, b, c, d], 16) == [(0, 17), (0, 33), (0, 40), (1, 33), (1, 40)]
+    assert cut_prompts([a, b, c, d], None) == [(0, 40), (1, 40), (3, 17)]   # whole prompts, a's twin dropped
+    # same length, other tokens: kept (the digest covers every token, not only the last block's)
+    e = [7] + a[1:]
+    assert cut_prompts([a, e], 16) == [(0, 17), (0, 33), (0, 40), (1, 17), (1, 33), (1, 40)]
+
+
+def test_cut_prompts_of_hand_cut_prompts_run_each_once():
+    """The e2e's boundary_prompts (each writer prompt cut by hand) cut again: nothing new, each once."""
+    rng = np.random.default_rng(0)
+    writers = [list(map(int, rng.integers(3, 512, 149))) for _ in range(4)]
+    by_hand = [w[:k * 16 + 1] for w in writers for k in range(1, 10)]
+    requests = cut_prompts(by_hand, 16)
+    assert len(requests) == len(by_hand) == 36
+    assert sorted(tuple(by_hand[i][:n]) for i, n in requests) == sorted(map(tuple, by_hand))
+    # the writers themselves: the same 36 cuts plus each whole prompt (149 tokens)
+    assert len(cut_prompts(writers, 16)) == 40
+
+
+class _Manifests:
+    def __init__(self, *documents):
+        import types
+        self.manifests = [types.SimpleNamespace(document=d, path=Path(f"/r/manifest-h-{i}.json"))
+                          for i, d in enumerate(documents)]
+
+
+def _groups(model, *groups):
+    return {"model": model, "groups": [dict(group=i, **g) for i, g in enumerate(groups)]}
+
+
+def test_cut_block_size_operator_then_manifest_mamba_groups_then_engine():
+    hybrid = _Manifests(_groups(MODEL, {"kind": "attention", "block_size": 544},
+                                {"kind": "mamba2", "block_size": 272, "mamba_type": "MAMBA2", "states": []},
+                                {"kind": "mamba2", "block_size": 544, "mamba_type": "MAMBA2", "states": []}),
+                        _groups("another-model", {"kind": "mamba2", "block_size": 8, "states": []}))
+    assert cut_block_size(16, hybrid, MODEL) == (16, "--block-size")
+    size, source = cut_block_size(None, hybrid, MODEL)
+    assert size == 272 and source.startswith("manifest /r/manifest-h-0.json") and "group 1" in source
+    attention_only = _Manifests(_groups(MODEL, {"kind": "attention", "block_size": 32},
+                                        {"kind": "attention", "block_size": 64}))
+    assert cut_block_size(None, attention_only, MODEL)[0] == 32
+    assert cut_block_size(None, hybrid, "unknown") == (None, "engine")
+    assert cut_block_size(None, None, MODEL) == (None, "engine")
+    assert manifest_engine_block_size(hybrid, MODEL) is None            # groups differ: not a guess
+    assert manifest_engine_block_size(_Manifests(_groups(MODEL, {"block_size": 16, "states": []})), MODEL) == 16
+    assert manifest_engine_block_size(None, MODEL) is None
+
+
+def test_cut_block_size_from_a_recorded_manifest(monkeypatch, tmp_path):
+    from audit.layouts.manifest import read_manifests
+    from audit.recorder.manifest import describe_worker, write_manifest
+    from tests.recorder import fake_vllm
+
+    fake_vllm.install_fake_vllm(monkeypatch)
+    write_manifest(tmp_path, describe_worker(*fake_vllm.hybrid_worker()))
+    manifests = read_manifests([tmp_path])
+    size, source = cut_block_size(None, manifests, "falcon-h1-tiny")
+    assert size == 64 and "(group 1)" in source                         # the Mamba2 group
+    assert manifest_engine_block_size(manifests, "falcon-h1-tiny") == 64
+
+
+# ---- production keys without a twin: named, with the reason ----------------------------------------------
+
+
+def test_unverified_keys_are_named_with_their_reason():
+    keys = [KeyInfo(vllm_key(MODEL, HASHES[0], cache_prefix="ref"), 10),
+            KeyInfo(vllm_key(MODEL, HASHES[0]), 10),                              # paired
+            KeyInfo(vllm_key(MODEL, HASHES[0], tp_rank=1), 10),                   # its chunk, another rank
+            KeyInfo(vllm_key(MODEL, HASHES[1], group=1), 10),                     # no reference key at all
+            KeyInfo(vllm_key(MODEL, HASHES[2]), 10)]
+    pairing = pair_keys(keys, "ref")
+    summary = pairing.unverified_summary()
+    assert summary["unverified_keys"] == [
+        {"key": keys[2].name, "reason": "the reference published this chunk, but not this key's tp_rank 1 "
+                                        "(the reference's: 0)"},
+        {"key": keys[3].name, "reason": PROMPT_NOT_GIVEN},
+        {"key": keys[4].name, "reason": PROMPT_NOT_GIVEN}]
+    assert summary["unverified_listed"] == 3
+    assert list(summary["unverified_reasons"].items())[0] == (PROMPT_NOT_GIVEN, 2)   # most common first
+    assert sum(summary["unverified_reasons"].values()) == len(pairing.unverified) == 3
+
+
+def test_unverified_keys_are_bounded_and_every_one_counted():
+    keys = [KeyInfo(vllm_key(MODEL, f"{i:064x}"), 10) for i in range(UNVERIFIED_LISTED + 50)]
+    keys.append(KeyInfo(vllm_key(MODEL, HASHES[4], cache_prefix="ref"), 10))
+    pairing = pair_keys(keys, "ref")
+    summary = pairing.unverified_summary(NOT_CUT)
+    assert summary["unverified_listed"] == len(summary["unverified_keys"]) == UNVERIFIED_LISTED
+    assert [k["key"] for k in summary["unverified_keys"]] == [k.name for k in keys[:UNVERIFIED_LISTED]]
+    # no production key pairs with any reference key: the reason says so, not "not given"
+    reason = NOTHING_PAIRS.format(n=1)
+    assert summary["unverified_reasons"] == {reason: UNVERIFIED_LISTED + 50}
+    assert "block size" in reason
+    assert pair_keys(keys[:3], "ref").unverified_summary()["unverified_reasons"] == {NO_REFERENCE: 3}
+
+
+def test_the_absent_reason_follows_how_the_reference_was_made():
+    assert _absent_reason(None) == NOT_PUBLISHED
+    assert _absent_reason({"cut_at_boundaries": True}) == PROMPT_NOT_GIVEN
+    assert _absent_reason({"cut_at_boundaries": False}) == NOT_CUT
+    assert _absent_reason({}) == NOT_CUT  # a driver of before the cuts
+
+
 # ---- the command on a real cluster ---------------------------------------------------------------------
 
 
@@ -211,6 +345,9 @@ def test_verify_flags_exactly_the_divergent_twin(publisher, cli_args, namespace,
     assert evidence["reference_key"] == vllm_key(MODEL, bad, cache_prefix=ref)
     summary = document["summary"]["verify"]
     assert (summary["pairs"], summary["unverified"], summary["reference_without_twin"], summary["divergent"]) == (2, 1, 1, 1)
+    assert summary["unverified_keys"] == [{"key": vllm_key(MODEL, lonely_prod, cache_prefix=prod),
+                                           "reason": NOT_PUBLISHED}]
+    assert summary["unverified_reasons"] == {NOT_PUBLISHED: 1}
     assert summary["reference_keys"] == 3 and summary["production_keys"] == 3
     assert 0 < summary["noise_floor"]["max_rel_l2"] < 1e-4
     assert document["summary"]["verdicts"] == {"DIVERGENT_STATE": 1}
@@ -243,3 +380,85 @@ def test_verify_human_format_and_a_swapped_value(publisher, cli_args, namespace,
     result = run_cli("verify", *cli_args, "--model-config", str(model_dir), "--state-dtype", "float32",
                      "--ssm-dtype", "float32", "--reference-prefix", f"{namespace}ref", "--prefix", f"{namespace}prod@")
     assert result.exit_code == 1 and "DIVERGENT_STATE" in result.stdout
+
+
+# ---- what `verify --engine` asks the reference driver for (a stub python stands in for vLLM's) ----------
+
+STUB_ENGINE = """#!{python}
+import json, os, sys
+sys.path.insert(0, {repo!r})
+from audit.verify.driver import cut_prompts
+spec = json.load(open(sys.argv[2]))
+json.dump(spec, open(os.environ["STUB_SPEC_OUT"], "w"))
+cut = spec.get("cut_at_boundaries", True)
+requests = cut_prompts(spec["prompts"], spec.get("cut_block_size") if cut else None)
+json.dump({{"prompts": len(spec["prompts"]), "requests": len(requests), "cut_at_boundaries": cut,
+           "block_size": spec.get("cut_block_size"), "block_size_from": spec.get("cut_block_size_from")}},
+          open(spec["out"], "w"))
+"""
+
+
+@pytest.fixture
+def stub_engine(tmp_path, monkeypatch):
+    import sys
+
+    path = tmp_path / "stub-python"
+    path.write_text(STUB_ENGINE.format(python=sys.executable, repo=str(Path(__file__).resolve().parents[2])))
+    path.chmod(0o755)
+    spec_out = tmp_path / "spec-seen.json"
+    monkeypatch.setenv("STUB_SPEC_OUT", str(spec_out))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps(list(range(100, 140))) + "\n" + json.dumps(list(range(100, 120)) + [9] * 20) + "\n")
+    return path, prompts, lambda: json.loads(spec_out.read_text())
+
+
+def test_verify_engine_cuts_at_the_operators_block_size_and_names_keys_without_a_twin(
+        publisher, cli_args, namespace, model_dir, stub_engine):
+    engine, prompts, seen = stub_engine
+    lonely = vllm_key(MODEL, HASHES[0], cache_prefix=f"{namespace}prod")
+    publisher.put(lonely, state(40))
+    for side in ("prod", "ref"):  # one pair (the stub publishes nothing itself)
+        publisher.put(vllm_key(MODEL, HASHES[1], cache_prefix=f"{namespace}{side}"), state(41))
+    code, document = _verify(cli_args, model_dir, namespace, "--engine", str(engine), "--prompts", str(prompts),
+                             "--block-size", "16")
+    spec = seen()
+    assert (spec["cut_at_boundaries"], spec["cut_block_size"], spec["cut_block_size_from"], spec["block_size"]) == (
+        True, 16, "--block-size", 16)
+    assert spec["prompts"][0] == list(range(100, 140))  # the prompts as given: the driver cuts them
+    summary = document["summary"]["verify"]
+    assert summary["reference_run"]["requests"] == 5    # 17, 33, 40 of the first; 33, 40 of the second
+    assert summary["unverified_keys"] == [{"key": lonely, "reason": PROMPT_NOT_GIVEN}]
+    assert code == 0
+
+    code, document = _verify(cli_args, model_dir, namespace, "--engine", str(engine), "--prompts", str(prompts),
+                             "--block-size", "16", "--no-cut-at-boundaries")
+    spec = seen()
+    assert spec["cut_at_boundaries"] is False and "cut_block_size" not in spec
+    summary = document["summary"]["verify"]
+    assert summary["reference_run"]["requests"] == 2
+    assert summary["unverified_reasons"] == {NOT_CUT: 1}
+
+
+def test_verify_engine_takes_the_block_size_from_the_producers_manifest(
+        cli_args, namespace, model_dir, stub_engine, monkeypatch, tmp_path):
+    from audit.recorder.manifest import describe_worker, write_manifest
+    from tests.recorder import fake_vllm
+
+    engine, prompts, seen = stub_engine
+    records = tmp_path / "records"
+    with monkeypatch.context() as patched:
+        fake_vllm.install_fake_vllm(patched)
+        mamba = fake_vllm.MambaSpec(block_size=16, shapes=((3, 128), (8, 8, 16)),
+                                    dtypes=(fake_vllm.FLOAT32, fake_vllm.FLOAT32))
+        layers = [f"model.layers.{i}.mixer" for i in range(4)]
+        write_manifest(records, describe_worker(*fake_vllm.build_worker(MODEL, [(layers, mamba)], [layers])))
+    code, document = _verify(cli_args, model_dir, namespace, "--engine", str(engine), "--prompts", str(prompts),
+                             "--block-tables", str(records))
+    spec = seen()
+    assert spec["block_size"] == 16 and spec["cut_block_size"] == 16    # the producer's, for both
+    assert spec["cut_block_size_from"].startswith(f"manifest {records}/manifest-")
+    assert document["summary"]["verify"]["reference_run"]["requests"] == 5
+    # without a manifest or --block-size: the driver is left to cut at its engine's own block size
+    _verify(cli_args, model_dir, namespace, "--engine", str(engine), "--prompts", str(prompts))
+    spec = seen()
+    assert spec["cut_at_boundaries"] is True and "cut_block_size" not in spec and "block_size" not in spec
