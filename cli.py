@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time as _time
+
+_STARTED = _time.perf_counter()  # the CLI's earliest timestamp: --verbose counts the imports from here
+
 import inspect
 import json
 import os
@@ -119,6 +123,8 @@ Output = Annotated[Optional[Path], typer.Option("--output", "-o", envvar="MOONCA
 All = Annotated[bool, typer.Option("--all", help="Every key's record (with its regions), not only findings.")]
 ShowProgress = Annotated[Optional[bool], typer.Option("--progress/--no-progress", envvar="MOONCAKE_AUDIT_PROGRESS",
                                                      help="Progress on stderr.", show_default="on a terminal")]
+Verbose = Annotated[bool, typer.Option("--verbose", help="At the end, the seconds of each phase of the whole "
+                                                         "process on stderr (start-up, listing, reading, ...).")]
 
 
 # Cron, resumption, evidence
@@ -285,9 +291,11 @@ def _plan(model_config, model, conv_layout, layout, layout_for_all, block_tables
     return plan
 
 
-def _scan_report(options: dict, include_all: bool, progress, sink, **scan_options):
+def _scan_report(options: dict, include_all: bool, progress, sink, phases=None, **scan_options):
     """The pipeline every scanning command shares: the connection, model and block-table options in
-    `options`, the scan's own in `scan_options`; report out (AuditError on failure)."""
+    `options`, the scan's own in `scan_options`; report out (AuditError on failure). `phases`
+    (--verbose): an audit.run.phases.Phases the run adds its seconds to."""
+    planning = _time.perf_counter()
     from audit.run.device import resolve_placement
     from audit.run.orchestrator import ScanOptions, run_scan
     from audit.sources.selection import parse_sample
@@ -298,12 +306,20 @@ def _scan_report(options: dict, include_all: bool, progress, sink, **scan_option
     settings = _settings(**_pick(options, _connection_options))
     plan = _plan(**_pick(options, _model_options, _block_table_options), include_all=include_all)
     tenants = {name: tuple(value or ()) for name, value in _pick(options, _tenant_options).items()}
+    if phases is not None:
+        phases.add("layouts, block tables, scan imports", _time.perf_counter() - planning)
     return run_scan(settings, ScanOptions(plan=plan, **scan_options, **_pick(options, _scale_options), **tenants),
-                    sink(), ScanProgress(progress))
+                    sink(), ScanProgress(progress), phases=phases)
 
 
-def _run(options: dict, **scan_options):
-    """The body `scan` and `check` share: run, exit with the report's code."""
+def _run(options: dict, verbose: bool = False, **scan_options):
+    """The body `scan` and `check` share: run, exit with the report's code (and with --verbose, the
+    seconds of each phase on stderr)."""
+    phases = None
+    if verbose:
+        from audit.run.phases import Phases
+
+        phases = Phases(cli_started=_STARTED)
     report_options = _pick(options, _report_options, _progress_option)
     fmt, output, include_all = report_options["fmt"], report_options["output"], report_options["include_all"]
     _check_choice("--format", fmt, FORMATS)
@@ -313,10 +329,13 @@ def _run(options: dict, **scan_options):
         raise fail("--resume needs --checkpoint PATH")
     try:
         report = _scan_report(options, include_all, report_options["progress"],
-                              lambda: make_sink(fmt, output, include_all=include_all),
+                              lambda: make_sink(fmt, output, include_all=include_all), phases=phases,
                               **_pick(options, _key_options, _read_options), **scan_options)
     except AuditError as error:
         raise fail(str(error)) from None
+    finally:
+        if phases is not None:
+            typer.echo("\n".join(f"phase: {line}" for line in phases.lines()), err=True)
     raise typer.Exit(report.exit_code)
 
 
@@ -327,13 +346,14 @@ SCANNING = (_connection_options, _key_options, _tenant_options, _read_options, _
 @app.command()
 @_takes(*SCANNING, after=(_report_options, _progress_option))
 def scan(*, checkpoint: CheckpointOpt = None, resume: Resume = False, evidence: EvidenceDir = None,
-         read_mode: ReadMode = "lease", fail_on: FailOn = "error", **options) -> None:
+         read_mode: ReadMode = "lease", fail_on: FailOn = "error", verbose: Verbose = False, **options) -> None:
     """List every key, read every value, report digests, zero values, shared content and, with a
     layout or block tables, the vLLM #53084 verdicts.
 
     Exit codes: 0 clean (warnings allowed unless --fail-on warning), 1 errors, 2 could not run, 3 incomplete.
     """
-    _run(options, checkpoint=checkpoint, resume=resume, evidence_dir=evidence, read_mode=read_mode, fail_on=fail_on)
+    _run(options, verbose, checkpoint=checkpoint, resume=resume, evidence_dir=evidence, read_mode=read_mode,
+         fail_on=fail_on)
 
 
 @app.command()
@@ -341,14 +361,14 @@ def scan(*, checkpoint: CheckpointOpt = None, resume: Resume = False, evidence: 
 def check(*, sample: Sample = None, seed: Seed = 0, state_dir: StateDirOpt = None, deadline: Deadline = None,
           max_bandwidth: MaxBandwidth = None, checkpoint: CheckpointOpt = None, resume: Resume = False,
           prom_file: PromFile = None, pushgateway: Pushgateway = None, evidence: EvidenceDir = None,
-          read_mode: ReadMode = "peek", fail_on: FailOn = "error", **options) -> None:
+          read_mode: ReadMode = "peek", fail_on: FailOn = "error", verbose: Verbose = False, **options) -> None:
     """The scan tuned for cron: sampling, a deadline, a bandwidth limit, a lock, metrics.
 
     Exit codes: 0 clean (warnings allowed unless --fail-on warning), 1 errors, 2 could not run (or
     another check holds the lock), 3 incomplete.
     """
-    _run(options, sample=sample, seed=seed, state_dir=state_dir, deadline_s=deadline, max_bandwidth=max_bandwidth,
-         checkpoint=checkpoint, resume=resume, prom_file=prom_file, pushgateway=pushgateway, evidence_dir=evidence,
+    _run(options, verbose, sample=sample, seed=seed, state_dir=state_dir, deadline_s=deadline,
+         max_bandwidth=max_bandwidth, checkpoint=checkpoint, resume=resume, prom_file=prom_file, pushgateway=pushgateway, evidence_dir=evidence,
          read_mode=read_mode, fail_on=fail_on)
 
 

@@ -31,8 +31,9 @@ def plan_batches(keys: Sequence[KeyInfo], capacity: int,
     """Pack keys, in order, into batches that fit `capacity` bytes and `max_keys` keys."""
     batch: list[Slot] = []
     used = 0
+    mask = ALIGNMENT - 1
     for key in keys:
-        size = _aligned(key.size or 0)
+        size = ((key.size or 0) + mask) & ~mask  # _aligned, inline: once per key
         if batch and (used + size > capacity or len(batch) >= max_keys):
             yield batch
             batch, used = [], 0

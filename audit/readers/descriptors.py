@@ -7,16 +7,16 @@ know where to read, once afterwards to know whether what it read still belonged 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from audit.connection import AdminClient
 
 GONE = None  # the master no longer knows the key (OBJECT_NOT_FOUND)
 
 
-@dataclass(frozen=True, slots=True)
-class Replica:
-    """One memory replica: the holder's segment (its transfer endpoint) and the bytes' address there."""
+class Replica(NamedTuple):
+    """One memory replica: the holder's segment (its transfer endpoint) and the bytes' address there.
+    A named tuple: made, hashed and compared per key per batch, twice over on peek reads."""
 
     endpoint: str
     address: int

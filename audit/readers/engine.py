@@ -12,7 +12,7 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from audit.connection import Settings, local_address_towards, native_stderr_captured
 from audit.errors import AuditError
@@ -23,8 +23,9 @@ PARALLEL_HOLDERS = 8
 FAST_FAILURE_S = 1.0  # a batch failing sooner was refused, not timed out (MC_TRANSFER_TIMEOUT: 30 s, at least 5)
 
 
-@dataclass(frozen=True, slots=True)
-class RawRead:
+class RawRead(NamedTuple):
+    """One raw read (a named tuple: one per key per batch)."""
+
     endpoint: str     # the holder's segment name (a replica's transport_endpoint_)
     local: int        # where the bytes land (inside registered memory)
     remote: int       # the replica's buffer_address_
@@ -40,6 +41,27 @@ def _unique_name(host: str) -> str:
         except OSError:
             probe.bind(("", 0))
         return f"{host}:{probe.getsockname()[1]}"
+
+
+def metadata_reachable(settings: Settings, timeout_s: float = 5.0) -> bool:
+    """Whether an HTTP metadata server answers at all (any status): what starting a transfer engine
+    would find out first, without starting one (its start and close cost about a second). Raises
+    AuditError when it does not answer; False for a metadata service that is not HTTP (etcd, a P2P
+    handshake), which only a transfer engine can try."""
+    import urllib.error
+    import urllib.request
+
+    if not settings.metadata.startswith(("http://", "https://")):
+        return False
+    try:
+        urllib.request.urlopen(settings.metadata, timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        pass  # it answered
+    except (OSError, ValueError) as error:
+        reason = getattr(error, "reason", None) or error
+        raise AuditError(f"cannot start a transfer engine against {settings.metadata}: "
+                         f"{getattr(reason, 'strerror', None) or reason}") from None
+    return True
 
 
 class RawTransfer:

@@ -27,6 +27,25 @@ from audit.readers.engine import RawRead, RawTransfer
 from audit.records import KeyInfo, KeyRecord
 
 OBJECT_NOT_FOUND = -704
+CONFIRM_KEEP_BYTES = 16 << 20  # a confirmation's buffers up to this size are kept for the next one
+
+
+def _listed_replicas(key: KeyInfo) -> list[Replica] | None:
+    """The key's memory replicas as its listing described them, in the master's order; None when
+    it came with none (a key not from a listing, or one with no memory replica): asked for then."""
+    replicas = key.replicas
+    if len(replicas) == 1:  # nearly every listed key: one memory replica, as the table's columns give it
+        only = replicas[0]
+        endpoint, address, size = only.get("endpoint"), only.get("address"), only.get("size")
+        if only.get("tier") == "memory" and type(endpoint) is str and type(address) is int and type(size) is int:
+            return [Replica(endpoint, address, size)]
+    memory = [replica for replica in replicas if replica.get("tier") == "memory"]
+    if not memory:
+        return None
+    try:
+        return [Replica(str(r["endpoint"]), int(r["address"]), int(r["size"])) for r in memory]
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _row(replica: Replica, status: str, digest: int | None, code: int | None) -> dict:
@@ -47,6 +66,11 @@ def _settle(key: KeyInfo, before: list[Replica] | None, after: list[Replica] | N
         return KeyRead(OBJECT_NOT_FOUND, [])
     if not before:
         return KeyRead(NOT_PEEKABLE, [])
+    if len(attempts) == 1 and primary == 0:  # the common key: one replica, read fine
+        replica, code, digest = attempts[0]
+        if code == 0 and replica in after:
+            return KeyRead(key.size or 0, [{"endpoint": replica.endpoint, "address": replica.address,
+                                            "size": replica.size, "xxh3": f"{digest:016x}", "status": "ok"}], digest)
     still_listed = set(after)
     rows, statuses = [], []
     for replica, code, digest in attempts:
@@ -63,21 +87,47 @@ def _settle(key: KeyInfo, before: list[Replica] | None, after: list[Replica] | N
     return KeyRead(next(code for _, code, _ in attempts), rows)
 
 
+class _Scratch:
+    """Where second and later replicas land: registered on first use (a store of single-replica
+    keys never needs it), `nbytes` large."""
+
+    def __init__(self, transfer, nbytes: int):
+        self.transfer = transfer
+        self.nbytes = nbytes
+        self.buffer: RegisteredBuffer | None = None
+
+    def get(self) -> RegisteredBuffer:
+        if self.buffer is None:
+            self.buffer = RegisteredBuffer(self.transfer, self.nbytes)
+        return self.buffer
+
+    def release(self) -> None:
+        if self.buffer is not None:
+            self.buffer.release()
+            self.buffer = None
+
+
 class PeekReader:
-    """Same interface as `audit.readers.lease.LeaseReader`; reads every replica, takes no lease."""
+    """Same interface as `audit.readers.lease.LeaseReader`; reads every replica, takes no lease.
+
+    `transfer`: a RawTransfer to read through (one engine for a run's sample reads and its scan);
+    without one the reader starts its own, and closes it with itself."""
 
     mode = "peek"
 
-    def __init__(self, settings: Settings, admin: AdminClient, buffer_bytes: int):
+    def __init__(self, settings: Settings, admin: AdminClient, buffer_bytes: int, transfer: RawTransfer | None = None):
         self.admin = admin
-        self.transfer = RawTransfer(settings)
+        self._owns_transfer = transfer is None
+        self.transfer = RawTransfer(settings) if transfer is None else transfer
         half = max(buffer_bytes // 2, ALIGNMENT)
         try:
             self.buffers = [RegisteredBuffer(self.transfer, half), RegisteredBuffer(self.transfer, half)]
-            self.scratch = RegisteredBuffer(self.transfer, half)  # second and later replicas land here
         except BaseException:
-            self.transfer.close()
+            if self._owns_transfer:
+                self.transfer.close()
             raise
+        self.scratch = _Scratch(self.transfer, half)  # second and later replicas land here
+        self._confirming: tuple[RegisteredBuffer, _Scratch] | None = None  # kept for the next confirmation
 
     @property
     def capacity(self) -> int:
@@ -86,7 +136,7 @@ class PeekReader:
     def fetch(self, slots: list[Slot], turn: int) -> FetchedBatch:
         needed = slots[-1].offset + (slots[-1].key.size or 0)
         if needed > self.capacity:  # a single value larger than a buffer half
-            buffer, scratch = RegisteredBuffer(self.transfer, needed), RegisteredBuffer(self.transfer, needed)
+            buffer, scratch = RegisteredBuffer(self.transfer, needed), _Scratch(self.transfer, needed)
             try:
                 reads = self._read(slots, buffer, scratch)
             except BaseException:
@@ -113,31 +163,55 @@ class PeekReader:
         confirmations: dict[str, Confirmation] = {}
         for slots in plan_batches(keys, self.capacity):
             needed = max(slots[-1].offset + (slots[-1].key.size or 0), ALIGNMENT)
-            buffer, scratch = RegisteredBuffer(self.transfer, needed), RegisteredBuffer(self.transfer, needed)
+            buffer, scratch = self._confirm_buffers(needed)
             try:
                 reads = self._read(slots, buffer, scratch)
             finally:
-                buffer.release()
-                scratch.release()
+                if buffer.nbytes > CONFIRM_KEEP_BYTES:
+                    buffer.release()
+                    scratch.release()
+                    self._confirming = None
             for slot, read in zip(slots, reads):
                 confirmations[slot.key.name] = confirmation_of(by_name[slot.key.name], read)
         return confirmations
 
-    def _read(self, slots: list[Slot], buffer: RegisteredBuffer, scratch: RegisteredBuffer) -> list[KeyRead]:
+    def _confirm_buffers(self, needed: int) -> tuple[RegisteredBuffer, _Scratch]:
+        """Buffers for a confirmation of `needed` bytes: those of the last one when they are large
+        enough (a check confirms a few findings per batch: registering memory each time costs
+        more than the read), else new ones, kept when small."""
+        if self._confirming is not None and self._confirming[0].nbytes >= needed:
+            return self._confirming
+        if self._confirming is not None:
+            self._confirming[0].release()
+            self._confirming[1].release()
+            self._confirming = None
+        size = max(needed, min(2 * needed, CONFIRM_KEEP_BYTES))
+        self._confirming = (RegisteredBuffer(self.transfer, size), _Scratch(self.transfer, size))
+        return self._confirming
+
+    def _read(self, slots: list[Slot], buffer: RegisteredBuffer, scratch: _Scratch, fresh: bool = False) -> list[KeyRead]:
         """Every key's first replica is read into `buffer` at its slot's offset (the bytes the checks
         see), its second at the same offset in `scratch`, both in one transfer call, so a holder
-        that does not answer is waited for once; third and later replicas follow, one call each."""
+        that does not answer is waited for once; third and later replicas follow, one call each.
+
+        Where to read: the memory replicas the listing described (`slot.key.replicas`), else (or
+        `fresh`) the master's answer just before the read. Either way the master is asked again
+        after the read; a key the listing described otherwise than that answer is read once more,
+        with a fresh answer before it, exactly as a key the listing did not describe."""
         names = [slot.key.name for slot in slots]
-        before = query_replicas(self.admin, names)
+        listed = [None] * len(slots) if fresh else [_listed_replicas(slot.key) for slot in slots]
+        ask = [name for name, replicas in zip(names, listed) if replicas is None]
+        asked = query_replicas(self.admin, ask) if ask else {}
+        before = [replicas if replicas is not None else asked.get(name, []) for name, replicas in zip(names, listed)]
         attempts: list[dict[int, tuple[Replica, int, int | None]]] = [{} for _ in slots]
         primary: list[int | None] = [None] * len(slots)  # the replica whose bytes are in `buffer`
-        rounds = max((len(before.get(name) or []) for name in names), default=0)
+        rounds = max((len(replicas or ()) for replicas in before), default=0)
         for replica_indices in [range(0, min(rounds, 2))] + [range(r, r + 1) for r in range(2, rounds)]:
             planned = []  # in replica order, so a key's first replica read fine becomes its primary
             for replica_index in replica_indices:
-                target = buffer if replica_index == 0 else scratch
+                target = buffer if replica_index == 0 else scratch.get()
                 for i, slot in enumerate(slots):
-                    replicas = before.get(slot.key.name) or []
+                    replicas = before[i] or ()
                     if replica_index >= len(replicas):
                         continue
                     replica = replicas[replica_index]
@@ -145,21 +219,36 @@ class PeekReader:
                         attempts[i][replica_index] = (replica, MOVED, None)
                     else:
                         planned.append((i, replica_index, replica, target))
-            codes = self.transfer.read([RawRead(replica.endpoint, target.array.ctypes.data + slots[i].offset,
+            bases = {id(target): target.array.ctypes.data for target in {id(t): t for *_, t in planned}.values()}
+            codes = self.transfer.read([RawRead(replica.endpoint, bases[id(target)] + slots[i].offset,
                                                 replica.address, replica.size) for i, _, replica, target in planned])
+            views = {id(target): memoryview(target.array) for target in {id(t): t for *_, t in planned}.values()}
             for (i, replica_index, replica, target), code in zip(planned, codes):
-                view = target.array[slots[i].offset: slots[i].offset + replica.size]
-                attempts[i][replica_index] = (replica, code, xxhash.xxh3_64_intdigest(view) if code == 0 else None)
+                offset = slots[i].offset
+                digest = xxhash.xxh3_64_intdigest(views[id(target)][offset: offset + replica.size]) if code == 0 else None
+                attempts[i][replica_index] = (replica, code, digest)
                 if code == 0 and primary[i] is None:
                     primary[i] = replica_index
                     if target is not buffer:
-                        buffer.array[slots[i].offset: slots[i].offset + replica.size] = view
+                        buffer.array[offset: offset + replica.size] = target.array[offset: offset + replica.size]
         after = query_replicas(self.admin, names)
-        return [_settle(slot.key, before.get(name, []), after.get(name, []),
-                        [attempts[i][r] for r in sorted(attempts[i])], primary[i])
-                for i, (slot, name) in enumerate(zip(slots, names))]
+        reads = [_settle(slot.key, before[i], after.get(name, []),
+                         [attempts[i][r] for r in sorted(attempts[i])], primary[i])
+                 for i, (slot, name) in enumerate(zip(slots, names))]
+        again = [i for i, (name, replicas) in enumerate(zip(names, listed))
+                 if replicas is not None and after.get(name, []) is not GONE and after.get(name, []) != replicas]
+        if again:  # described otherwise since the listing: read as a key the listing did not describe
+            for i, read in zip(again, self._read([slots[i] for i in again], buffer, scratch, fresh=True)):
+                reads[i] = read
+        return reads
 
     def close(self) -> None:
-        for buffer in [*self.buffers, self.scratch]:
+        for buffer in self.buffers:
             buffer.release()
-        self.transfer.close()
+        self.scratch.release()
+        if self._confirming is not None:
+            self._confirming[0].release()
+            self._confirming[1].release()
+            self._confirming = None
+        if self._owns_transfer:
+            self.transfer.close()

@@ -14,10 +14,6 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
-from rich import box
-from rich.console import Console
-from rich.table import Table
-
 from audit.report.html import VERDICT_CLASS_COLOURS, inert_html, page, verdict_badges
 from audit.report.inert import inert, inert_key, printable, short_key
 from audit.report.output import ReportOutput, check_writable
@@ -78,6 +74,10 @@ def _counts(label: str, counts: dict[str, int]) -> str:
 
 
 def print_human(document: dict, stream) -> None:
+    from rich import box  # imported here: every command imports this module (`impact`'s options), few print it
+    from rich.console import Console
+    from rich.table import Table
+
     console = Console(file=stream, highlight=False, soft_wrap=False, width=180, force_terminal=False)
     summary = document["summary"]
     console.print(": ".join(status(summary)), markup=False)

@@ -4,8 +4,10 @@ keys shortened for one line of a table; and the byte counts printed beside them.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-from rich.text import Text
+if TYPE_CHECKING:
+    from rich.text import Text
 
 MAX_SHOWN = 160
 HASH_HEAD, HASH_TAIL = 8, 6  # hex digits of a long hash a table keeps (56 bits: two keys alike in 10^16)
@@ -42,10 +44,15 @@ def human_bytes(n: float | None) -> str:
 
 
 def inert(text: str, limit: int = MAX_SHOWN) -> Text:
-    """A rich Text, never parsed as markup."""
+    """A rich Text, never parsed as markup (rich imported on first use: a scan that prints no table
+    pays none of it)."""
+    from rich.text import Text
+
     return Text(printable(text, limit))
 
 
 def inert_key(key: str) -> Text:
     """A table's key cell: `short_key`, never parsed as markup."""
+    from rich.text import Text
+
     return Text(short_key(key))

@@ -49,6 +49,9 @@ class WatchMetrics:
                                             "Median duration of the last few listings (what stretches the interval).",
                                             registry=registry)
         self.listings = Counter("mooncake_audit_watch_listings", "Listings of the store completed.", registry=registry)
+        self.keys_sized = Gauge("mooncake_audit_watch_keys_sized",
+                                "Keys the last listing asked the master to size (names it had not listed before; "
+                                "every key in one listing of ten).", registry=registry)
         self.interval = Gauge("mooncake_audit_watch_interval_seconds",
                               "The round interval in use: --interval, stretched so the median listing stays under "
                               "its share of the time.", registry=registry)

@@ -13,6 +13,8 @@ import time
 from datetime import datetime, timezone
 
 from audit.connection import AdminClient, Settings, open_store
+from audit.connection import _reachable as reachable
+from audit.readers.engine import metadata_reachable
 from audit.errors import AuditError
 from audit.layouts import summarize
 from audit.judge.chunks import ChunkIndex
@@ -30,6 +32,7 @@ from audit.sources.keytable import KeyTable
 from audit.sources.listing import AdminListing
 from audit.run.statedir import StateDir
 from audit.run.options import ScanOptions
+from audit.run.phases import NoPhases, Phases
 from audit.run.reading import after_batch_hook, confirm_shared, make_reader, read_values
 from audit.run.stops import Deadline, MasterWatch, StopOnSignals
 from audit.run.other_keys import (TenantClients, find_other_tenants_keys, read_other_keys, split_lease_only,
@@ -91,30 +94,48 @@ def _resume(keys: KeyTable, done: dict[str, KeyRecord], records: RecordLedger) -
 
 
 def _read_here(settings, admin, store, keys, checker, options: ScanOptions, stop: threading.Event,
-               checkpoint: Checkpoint | None, evidence: EvidenceStore | None, emit, records: RecordLedger):
-    """This process reads every key; the reason it stopped early, if it did."""
-    reader = base_reader = make_reader(settings, admin, store, keys, options)
+               checkpoint: Checkpoint | None, evidence: EvidenceStore | None, emit, records: RecordLedger,
+               phases: Phases, transfer=None):
+    """This process reads every key; the reason it stopped early, if it did. No key to read: no
+    reader (a transfer engine, registered buffers), and no store client for it. `store` and
+    `transfer` may be callables that set them up on first use."""
+    if not len(keys):  # what setting them up would find out first: the master, the metadata server
+        if options.read_mode == "lease":
+            reachable(settings.master)
+        elif not metadata_reachable(settings):
+            transfer() if callable(transfer) else None
+        return None
+    store = store() if callable(store) else store
+    transfer = transfer() if callable(transfer) and options.read_mode == "peek" else None
+    with phases.phase("buffer registration"):
+        reader = base_reader = make_reader(settings, admin, store, keys, options, transfer)
     if options.max_bandwidth:
         reader = ThrottledReader(reader, options.max_bandwidth, stop)
     try:
         reason = _read_all(keys, reader, checker, options, stop, MasterWatch(admin, stop), checkpoint, evidence,
-                           emit, getattr(base_reader, "confirm", None))
+                           emit, getattr(base_reader, "confirm", None), phases)
         if hasattr(base_reader, "confirm"):
-            confirm_shared(records, base_reader)
+            with phases.phase("confirming shared content (peek)"):
+                confirm_shared(records, base_reader)
     finally:
-        reader.close()
+        with phases.phase("reader close (buffers)"):
+            reader.close()
     return reason
 
 
 def _read_all(keys, reader, checker, options: ScanOptions, stop: threading.Event, watch: MasterWatch,
-              checkpoint: Checkpoint | None, evidence: EvidenceStore | None, emit, confirm=None) -> str | None:
+              checkpoint: Checkpoint | None, evidence: EvidenceStore | None, emit, confirm=None,
+              phases: Phases | None = None) -> str | None:
     """Scan `keys`, handing each record to `emit`; the reason the scan stopped early, if it did.
     `confirm` (peek reads): findings are read a second time before they are reported."""
+    phases = phases or NoPhases()
     deadline = Deadline(options.deadline_s, stop)
     try:
-        for record in scan_keys(keys, reader, checker, options.plan, stop=stop,
-                                on_batch=after_batch_hook(confirm, checkpoint, watch), evidence=evidence):
-            emit(record)
+        with phases.phase("reading and judging (wall)"):
+            for record in scan_keys(keys, reader, checker, options.plan, stop=stop,
+                                    on_batch=after_batch_hook(confirm, checkpoint, watch), evidence=evidence,
+                                    phases=phases):
+                emit(record)
     finally:
         deadline.cancel()
     if watch.lost:
@@ -124,10 +145,13 @@ def _read_all(keys, reader, checker, options: ScanOptions, stop: threading.Event
     return None
 
 
-def run_scan(settings: Settings, options: ScanOptions, sink, progress: ScanProgress | None = None) -> Report:
+def run_scan(settings: Settings, options: ScanOptions, sink, progress: ScanProgress | None = None,
+             phases: Phases | None = None) -> Report:
     """List, select, read and check; merge; write the report and metrics. Raises AuditError only
-    when nothing could be scanned (exit 2); later failures end in an incomplete report."""
+    when nothing could be scanned (exit 2); later failures end in an incomplete report. `phases`
+    (`--verbose`): the seconds of each phase of the run are added to it."""
     progress = progress or ScanProgress(enabled=False)
+    phases = phases or NoPhases()
     key_filter = options.key_filter()
     checker = options.placement.checker()
     state = StateDir(options.state_dir) if options.state_dir is not None else None
@@ -138,10 +162,12 @@ def run_scan(settings: Settings, options: ScanOptions, sink, progress: ScanProgr
     try:
         signals = StopOnSignals()
         with signals:
-            report = _scan(settings, options, sink, progress, key_filter, checker, state, signals, closers)
-        sink.finish(report)
+            report = _scan(settings, options, sink, progress, key_filter, checker, state, signals, closers, phases)
+        with phases.phase("report"):
+            sink.finish(report)
         if exporting:
-            export_metrics(report, options.prom_file, options.pushgateway)
+            with phases.phase("metrics"):
+                export_metrics(report, options.prom_file, options.pushgateway)
     except AuditError:
         if exporting:
             export_metrics(None, options.prom_file, options.pushgateway)
@@ -149,8 +175,9 @@ def run_scan(settings: Settings, options: ScanOptions, sink, progress: ScanProgr
     finally:
         if state is not None:
             state.release()
-        for close in closers:
-            close()
+        with phases.phase("close"):
+            for close in closers:
+                close()
     return report
 
 
@@ -169,33 +196,59 @@ def _connect_ray(settings: Settings, options: ScanOptions, closers: list):
     return ray_scan
 
 
+class _TransferWhenNeeded:
+    """Peek reads' transfer engine, started on first use and shared by the sample reads that choose
+    a reading and the scan; closed with the store, after the report is out (its start and close
+    cost about a second together)."""
+
+    def __init__(self, settings: Settings, closers: list, phases: Phases | None = None):
+        self.settings = settings
+        self.closers = closers
+        self.phases = phases or NoPhases()
+        self._transfer = None
+
+    def __call__(self):
+        if self._transfer is None:
+            from audit.readers.engine import RawTransfer
+
+            with self.phases.phase("transfer engine start"):
+                self._transfer = RawTransfer(self.settings)
+            self.closers.append(self._transfer.close)
+        return self._transfer
+
+
 class _StoreWhenNeeded:
     """The Mooncake store client, set up on first use: peek reads never need it (only a key the admin
     API cannot size does), and lease reads need it only once the keys are listed. Its `close()` waits
     for the client's one-second ticks, counted from its setup (docs/benchmarks.md): the later the
     setup, the less of the run it rounds up. A master it cannot reach still fails before any read."""
 
-    def __init__(self, settings: Settings, closers: list):
+    def __init__(self, settings: Settings, closers: list, phases: Phases | None = None):
         self.settings = settings
         self.closers = closers
+        self.phases = phases or NoPhases()
         self._store = None
 
     def client(self):
         if self._store is None:
-            self._store = open_store(self.settings)
+            with self.phases.phase("store client setup"):
+                self._store = open_store(self.settings)
             self.closers.append(self._store.close)
         return self._store
 
 
 def _scan(settings, options, sink, progress, key_filter, checker, state, signals: StopOnSignals,
-          closers: list) -> Report:
+          closers: list, phases: Phases) -> Report:
     stop = signals.event
+    connecting = time.perf_counter()
     admin = AdminClient(settings.admin)
     admin.health()
     if options.verify_writer_checksum:
         enable_writer_checksum(options)
-    store = _StoreWhenNeeded(settings, closers)
+    store = _StoreWhenNeeded(settings, closers, phases)
+    transfer = _TransferWhenNeeded(settings, closers, phases)
     ray_scan = _connect_ray(settings, options, closers) if options.ray is not None else None
+    phases.add("connect (admin health, Ray)", time.perf_counter() - connecting)
     context = {
         "started_at": _now(),
         "cluster": {"master": settings.master, "admin": settings.admin},
@@ -215,19 +268,24 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
     clients = TenantClients(settings, store.client, closers)
     census = None
     try:
-        census = Census.before_listing(admin)
-        listing = AdminListing(admin, key_filter, size_of=lambda key: store.client().get_size(key)).list()
-        take_census_after(census, admin, listing)
+        with phases.phase("listing (key counts, /get_all_keys, sizing)"):
+            census = Census.before_listing(admin)
+            listing = AdminListing(admin, key_filter, size_of=lambda key: store.client().get_size(key)).list()
+            take_census_after(census, admin, listing)
         other = find_other_tenants_keys(census, options, options.plan, listing, key_filter, clients)
         keys_listed = len(listing.keys) + len(listing.vanished)
         records = RecordLedger(listing.keys)
-        chunks = ChunkIndex.of_table(listing.keys).settle()
+        with phases.phase("chunk index"):
+            chunks = ChunkIndex.of_table(listing.keys).settle()
         if options.plan.requests or options.plan.manifests:  # the producer's layouts: its manifest, or its sizes
-            context["layout_inference"] = options.plan.fit_sizes(listing.keys)
+            with phases.phase("layout fit to the sizes"):
+                context["layout_inference"] = options.plan.fit_sizes(listing.keys)
         if options.plan.readings:  # sizes that fit several readings: let a sample's bytes choose
-            samples = options.plan.reading_samples(listing.keys)
-            lease = store.client() if options.read_mode == "lease" else None
-            options.plan.decide_readings(read_values(settings, admin, lease, samples, options), samples)
+            with phases.phase("readings chosen by sample bytes"):
+                samples = options.plan.reading_samples(listing.keys)
+                lease = store.client() if options.read_mode == "lease" else None
+                options.plan.decide_readings(read_values(settings, admin, lease, samples, options, transfer), samples)
+        planning_rest = time.perf_counter()
         context.update(_plan_context(options.plan, listing.keys))
         keys = _select(listing.keys, options, state, context)
         census.not_sampled = len(listing.keys) - len(keys) if options.sample is not None else 0
@@ -245,6 +303,7 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
         keys, lease_only = split_lease_only(keys, options)
         other.groups.insert(0, (None, lease_only))
         progress.start(len(keys) + len(other.keys), keys.total_size() + sum(key.size or 0 for key in other.keys))
+        phases.add("planning (selection, coverage tiers, checkpoint)", time.perf_counter() - planning_rest)
 
         def emit(record: KeyRecord) -> None:
             records.add(record)
@@ -255,10 +314,12 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
             if ray_scan is not None:
                 reason = ray_scan.read(keys, options, stop, checkpoint, emit, records, context)
             else:
-                reason = _read_here(settings, admin, store.client() if options.read_mode == "lease" else None,
-                                    keys, checker, options, stop, checkpoint, evidence, emit, records)
-            reason = reason or read_other_keys(other, clients, checker, options, stop, MasterWatch(admin, stop),
-                                               evidence, emit, started)
+                reason = _read_here(settings, admin, store.client if options.read_mode == "lease" else None,
+                                    keys, checker, options, stop, checkpoint, evidence, emit, records, phases,
+                                    transfer)
+            with phases.phase("reading other tenants' and lease-only keys"):
+                reason = reason or read_other_keys(other, clients, checker, options, stop, MasterWatch(admin, stop),
+                                                   evidence, emit, started)
         finally:
             progress.stop()
         interrupted = stop.is_set()
@@ -275,13 +336,15 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
         if checkpoint is not None:
             checkpoint.close()
         if state is not None:
-            state.remember(records.names())
+            with phases.phase("state dir (keys seen)"):
+                state.remember(records.names())
     context["finished_at"] = _now()
-    report = merge_records(records, context=context, keys_listed=max(keys_listed, len(records)),
-                           keys_selected=max(keys_selected, len(records)), interrupted=interrupted,
-                           duration_s=duration_s, chunks=chunks, census=census,
-                           replication=replication_from({r.name: r.config for r in options.plan.requests}),
-                           fail_on=options.fail_on)
+    with phases.phase("merge (cross-key verdicts, summary)"):
+        report = merge_records(records, context=context, keys_listed=max(keys_listed, len(records)),
+                               keys_selected=max(keys_selected, len(records)), interrupted=interrupted,
+                               duration_s=duration_s, chunks=chunks, census=census,
+                               replication=replication_from({r.name: r.config for r in options.plan.requests}),
+                               fail_on=options.fail_on)
     if evidence is not None:
         evidence.finish(report)
     return report

@@ -34,17 +34,22 @@ def buffer_bytes(keys: list[KeyInfo], options: ScanOptions) -> int:
     return 2 * half
 
 
-def make_reader(settings: Settings, admin: AdminClient, store, keys: list[KeyInfo], options: ScanOptions):
+def make_reader(settings: Settings, admin: AdminClient, store, keys: list[KeyInfo], options: ScanOptions,
+                transfer=None):
+    """The reader of the run's read mode, its buffers sized to `keys`. `transfer` (peek reads): a
+    RawTransfer to share (its start and close cost about a second: one per run), or a callable that
+    gives one; without it the reader starts its own."""
     if options.read_mode == "lease":
         return LeaseReader(store, buffer_bytes(keys, options), options.placement.buffer_type)
     if options.placement.device != "cpu":
         raise AuditError("--read-mode peek reads into host memory: use it with --device cpu")
     from audit.readers.peek import PeekReader
 
-    return PeekReader(settings, admin, buffer_bytes(keys, options))
+    return PeekReader(settings, admin, buffer_bytes(keys, options), transfer() if callable(transfer) else transfer)
 
 
-def read_values(settings: Settings, admin: AdminClient, store, keys: list[KeyInfo], options: ScanOptions) -> dict:
+def read_values(settings: Settings, admin: AdminClient, store, keys: list[KeyInfo], options: ScanOptions,
+                transfer=None) -> dict:
     """A few keys' bytes, copied to host memory (name -> uint8 array): the samples that choose an
     ambiguous group's reading before the scan. Keys that fail to read are left out."""
     import numpy as np
@@ -52,7 +57,7 @@ def read_values(settings: Settings, admin: AdminClient, store, keys: list[KeyInf
     from audit.readers.buffers import plan_batches
 
     values = {}
-    reader = make_reader(settings, admin, store, keys, options)
+    reader = make_reader(settings, admin, store, keys, options, transfer)
     try:
         for turn, slots in enumerate(plan_batches(keys, reader.capacity)):
             batch = reader.fetch(slots, turn)

@@ -8,6 +8,7 @@ can hand each machine its share of keys and merge the records with `audit.judge.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -110,10 +111,16 @@ def _judge_other_readings(batch: FetchedBatch, checker, plan: CheckPlan, others:
 
 def scan_keys(keys: Sequence[KeyInfo], reader, checker, plan: CheckPlan | None = None, *,
               stop: threading.Event | None = None,
-              on_batch: Callable[[list[KeyRecord]], None] | None = None, evidence=None) -> Iterator[KeyRecord]:
-    """Read and check `keys`; yields each key's record as soon as its batch is checked.
+              on_batch: Callable[[list[KeyRecord]], None] | None = None, evidence=None,
+              phases=None) -> Iterator[KeyRecord]:
+    """Read and check `keys`; yields each key's record once its batch is checked and `on_batch` has
+    seen it.
 
-    `stop` ends the scan cleanly between batches (keys not reached get no record).
+    `on_batch` (findings read again on peek reads, the checkpoint, the master's health) runs for
+    batch i once batch i+1 has been fetched and before batch i+2 is asked for: a second read of a
+    finding then never waits behind a batch in flight on the same holder. `stop` ends the scan cleanly
+    between batches (keys not reached get no record). `phases` (audit.run.phases.Phases): the main
+    thread's seconds waiting for fetches, checking and judging, and in `on_batch` are added to it.
     """
     plan = plan or CheckPlan()
     batches = plan_batches(keys, reader.capacity)  # planned as they are read: slots for one batch ahead
@@ -123,15 +130,44 @@ def scan_keys(keys: Sequence[KeyInfo], reader, checker, plan: CheckPlan | None =
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch") as pool:
         pending = pool.submit(reader.fetch, current, 0)
         turn = 0
-        while pending is not None:
-            fetched = pending.result()
-            stopping = stop is not None and stop.is_set()
-            upcoming = None if stopping else next(batches, None)
-            pending = None if upcoming is None else pool.submit(reader.fetch, upcoming, turn + 1)
-            turn += 1
-            records = check_batch(fetched, checker, plan, evidence)
-            if on_batch is not None:
-                on_batch(records)
-            yield from records
-            if stopping:
-                return
+        waited = checked = after = 0.0
+        held: list[KeyRecord] | None = None  # the batch checked last: on_batch and yield still to come
+        try:
+            while pending is not None:
+                started = time.perf_counter()
+                try:
+                    fetched, failure = pending.result(), None
+                except Exception as error:  # noqa: BLE001 (raised below, once the batch before it is handed on)
+                    fetched, failure = None, error
+                fetched_at = time.perf_counter()
+                waited += fetched_at - started
+                if held is not None and on_batch is not None:
+                    on_batch(held)
+                    after += time.perf_counter() - fetched_at
+                stopping = failure is not None or (stop is not None and stop.is_set())
+                upcoming = None if stopping else next(batches, None)
+                pending = None if upcoming is None else pool.submit(reader.fetch, upcoming, turn + 1)
+                turn += 1
+                if held is not None:
+                    yield from held
+                    held = None
+                if failure is not None:
+                    raise failure
+                checking = time.perf_counter()
+                held = check_batch(fetched, checker, plan, evidence)
+                checked += time.perf_counter() - checking
+                if stopping:
+                    break
+            if held is not None:
+                finishing = time.perf_counter()
+                if on_batch is not None:
+                    on_batch(held)
+                after += time.perf_counter() - finishing
+                yield from held
+        finally:
+            if phases is not None:
+                within = "reading and judging (wall)"
+                phases.add("waiting for fetches (and planning batches)", waited, within)
+                phases.add("checking and judging batches", checked, within)
+                phases.add("after each batch (confirm findings, checkpoint, master)", after, within)
+                phases.rest(within, "handing records on (ledger, sink, progress)")

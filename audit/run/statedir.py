@@ -19,8 +19,11 @@ BLOCK = 65_536               # names hashed at a time
 
 
 def _name_hashes(names) -> np.ndarray:
-    return np.array(sorted({xxhash.xxh3_64_intdigest(name.encode("utf-8", "surrogateescape")) for name in names}),
-                    dtype=np.uint64)
+    """The sorted, distinct XXH3-64 of `names` (one array: no set or list of Python ints)."""
+    names = names if isinstance(names, list) else list(names)
+    hashes = np.fromiter((xxhash.xxh3_64_intdigest(name.encode("utf-8", "surrogateescape")) for name in names),
+                         dtype=np.uint64, count=len(names))
+    return np.unique(hashes)
 
 
 class StateDir:

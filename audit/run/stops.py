@@ -42,6 +42,8 @@ class StopOnSignals:
 
     def __exit__(self, *exc_info) -> None:
         for signum, previous in self._previous.items():
+            if signum == signal.SIGTERM and self.received is not None:
+                continue  # stopping already: a second SIGTERM while the report is written or clients close ends it
             signal.signal(signum, previous)
 
 

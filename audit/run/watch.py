@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+import numpy as np
+
 from audit.blocktables import BlockTableTail
 from audit.connection import AdminClient, Settings, open_store
 from audit.errors import AuditError
@@ -36,7 +38,8 @@ from audit.run.reading import after_batch_hook, buffer_bytes, confirm_shared, ma
 from audit.run.scan import scan_keys
 from audit.run.stops import MasterWatch, StopOnSignals
 from audit.run.watch_state import FINDINGS_FILE, WatchState
-from audit.sources.listing import AdminListing
+from audit.sources.keytable import KeyTable
+from audit.sources.listing import AdminListing, KnownKeys, Listing
 
 LISTING_SHARE = 0.1      # the listing may take at most this share of the time: the interval stretches
 LISTINGS_MEDIAN = 5      # ... judged on the median of this many last listings, so one slow one stretches nothing
@@ -44,6 +47,7 @@ MAX_BACKOFF_S = 60.0
 SLICE_S = 0.25           # between rounds, the record files are looked at this often
 PENDING_S = 30.0         # a key a record names that the store does not hold yet is looked for this long
 READ_AHEAD_SHARE = 0.2   # keys are re-read at most this share of the period before it runs out
+FULL_LISTING_EVERY = 10  # one listing in this many sizes every key; the others size only names not listed before
 
 
 def stretched_interval(interval_s: float, listings_s, share: float = LISTING_SHARE) -> float:
@@ -137,6 +141,9 @@ class Watcher:
         self._listings_s: deque[float] = deque(maxlen=LISTINGS_MEDIAN)
         self._pending: dict[str, float] = {}     # named by a record, not in the store yet: until when to look
         self._chunks_unjudged: set[str] = set()  # judged in a record round: chunk verdicts wait for a listing
+        self._listing: Listing | None = None     # the last listing: its keys need not be sized again
+        self._listings_since_full = 0
+        self._last_listing_full = True
         if self.scan.verify_writer_checksum:
             enable_writer_checksum(self.scan)
 
@@ -239,6 +246,7 @@ class Watcher:
             raise
         self.metrics.master_up.set(1)
         known = state.known()  # before the listing: keys a record round enters meanwhile are not forgotten
+        previous = self._listing
         listed_at = time.perf_counter()
         listing = self._list(state, stop, signals)
         listing_s = time.perf_counter() - listed_at
@@ -246,15 +254,15 @@ class Watcher:
         self.metrics.listings.inc()
         self.metrics.keys_listed.set(len(listing.keys))
         now = time.time()
-        listed = {key.name: key for key in listing.keys}
-        state.add_new({name: key.size for name, key in listed.items() if name not in known}, now)
+        table, listed = listing.keys, listing.rows_by_name  # name -> row: no KeyInfo per listed key
+        state.add_new({name: table.size(row) for name, row in listed.items() if name not in known}, now)
         state.forget(known - listed.keys())
         named = self.feed.poll(self.scan.plan)
         state.unverify(named)  # a key named by a new record: judged again now
         self._pending = {name: until for name, until in self._pending.items() if name not in listed}
         self._look_for(named - listed.keys(), now)
-        self._fit_layouts(admin, listing.keys)
-        new = [listed[name] for name in state.never_verified() if name in listed]
+        self._fit_layouts(admin, table)
+        new = [table.info(listed[name]) for name in state.never_verified() if name in listed]
         due = []
         if in_window(self.options.window, datetime.now()):
             budget = None if self.scan.max_bandwidth is None else self.scan.max_bandwidth * interval
@@ -262,13 +270,15 @@ class Watcher:
                                  state.bytes_before(now - (1 - READ_AHEAD_SHARE) * self.options.period_s),
                                  self.scan.max_bandwidth)
             self.metrics.read_ahead.set(ahead)
-            due = [listed[name] for name in state.due(now - self.options.period_s + ahead, budget) if name in listed]
-        keys = new + due
+            due = [table.info(listed[name]) for name in state.due(now - self.options.period_s + ahead, budget)
+                   if name in listed]
+        keys = self._sized_again(state, new + due, listing, previous)
         read = {key.name for key in keys}
-        unjudged = [listed[name] for name in self._chunks_unjudged if name in listed and name not in read]
+        unjudged = [table.info(listed[name]) for name in self._chunks_unjudged if name in listed and name not in read]
         self._chunks_unjudged.clear()
         records, earlier, lost = self._read(state, admin, keys, stop, keys_listed=len(listing.keys),
-                                            chunks=ChunkIndex.of((key.name, key.size) for key in listing.keys)
+                                            chunks=ChunkIndex.of((table.name(row), table.size(row))
+                                                                 for row in range(len(table)))
                                             if keys or unjudged else None,
                                             unjudged=unjudged)
         self._commit(state, records, earlier)  # what was judged before a lost master stands
@@ -280,17 +290,49 @@ class Watcher:
         self.metrics.show_state(state.counts(time.time() - self.options.period_s), time.time())
         return listing_s
 
+    def _sized_again(self, state: WatchState, keys: list[KeyInfo], listing: Listing,
+                     previous: Listing | None) -> list[KeyInfo]:
+        """The keys to read, each as sized by the master now: a key the listing took from the last
+        one (not sized this round) is sized again, so that it is read at its size and replicas of
+        now, as a listing sizing every key would give them; one the master no longer answers for is
+        gone, and forgotten, as that listing would have left it out."""
+        if previous is None or self._last_listing_full or not keys:
+            return keys
+        stale = [key.name for key in keys if key.name in previous.rows_by_name]
+        if not stale:
+            return keys
+        fresh = AdminListing(self.admin, self.key_filter).size_names(stale)
+        state.forget(set(stale) - fresh.keys())
+        return [fresh.get(key.name) if key.name in previous.rows_by_name else key
+                for key in keys if key.name not in previous.rows_by_name or key.name in fresh]
+
+    def _listing_of_store(self) -> tuple[Listing, bool]:
+        """Every key of the store, by name, and whether every key was sized. The names the last
+        listing held are not sized again (their sizes and replicas are taken from it), except in one
+        listing of FULL_LISTING_EVERY: a listing of a store that changes little then costs about one
+        `/get_all_keys`, and what it takes from the last one is never older than that many rounds."""
+        full = self._listing is None or self._listings_since_full + 1 >= FULL_LISTING_EVERY
+        known = None if full else KnownKeys(self._listing)
+        return AdminListing(self.admin, self.key_filter).list(known=known, index=True), full
+
+    def _keep_listing(self, listing: Listing, full: bool) -> Listing:
+        self._listings_since_full = 0 if full else self._listings_since_full + 1
+        self._last_listing_full = full
+        self._listing = listing
+        self.metrics.keys_sized.set(listing.sized)
+        return listing
+
     def _list(self, state: WatchState, stop: threading.Event, signals: StopOnSignals):
         """The listing; with block tables it runs on a thread (the admin client keeps a connection per
         thread) while record rounds go on in slices, so that a listing of a large store delays no
         record-fed key."""
         if self.feed.tail is None:
-            return AdminListing(self.admin, self.key_filter).list()
+            return self._keep_listing(*self._listing_of_store())
         outcome: dict = {}
 
         def work():
             try:
-                outcome["listing"] = AdminListing(self.admin, self.key_filter).list()
+                outcome["listing"] = self._listing_of_store()  # (listing, full)
             except BaseException as error:  # noqa: BLE001 (raised again on the watcher's thread)
                 outcome["error"] = error
 
@@ -307,12 +349,15 @@ class Watcher:
                     tailing = False  # the listing's end decides whether the master is gone
         if "error" in outcome:
             raise outcome["error"]
-        return outcome["listing"]
+        return self._keep_listing(*outcome["listing"])
 
     def _fit_layouts(self, admin: AdminClient, keys: list[KeyInfo]) -> None:
         """As `scan` does before reading, again whenever a size not seen before is listed."""
         plan = self.scan.plan
-        sizes = {key.size for key in keys}
+        if isinstance(keys, KeyTable):  # a listing: its size column, not a KeyInfo per key
+            sizes = {None if size < 0 else size for size in np.unique(keys.size_array()).tolist()}
+        else:
+            sizes = {key.size for key in keys}
         if not (plan.requests or plan.manifests) or sizes <= self._fitted_sizes:
             return
         plan.fit_sizes(keys)

@@ -43,6 +43,51 @@ class Listing:
     listed_lines: int
     outside_filter: int = 0   # listed lines --prefix/--match leaves out (a key with newlines: one per line)
     through_client: int = 0   # keys the admin API could not answer for, sized by the store client
+    rows_by_name: dict[str, int] | None = None  # name -> table row (`list(index=True)`)
+    sized: int = 0            # keys asked of the master (every key, unless `known` answered for some)
+
+
+class KnownKeys:
+    """What an earlier listing said of its keys (sizes, replicas), by name: `AdminListing.list(known=...)`
+    takes it from there instead of asking the master again. Sizes and replicas may have changed since:
+    a key to be read is sized again first (`watch` does), and a peek read checks its replicas with the
+    master after reading (audit.readers.peek)."""
+
+    def __init__(self, listing: Listing):
+        if listing.rows_by_name is None:
+            raise ValueError("KnownKeys needs a listing made with index=True")
+        self.table = listing.keys
+        self.rows = listing.rows_by_name
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.rows
+
+    def get(self, name: str) -> KeyInfo | tuple[int, str, int] | None:
+        """As `AdminListing._answers` gives a key: (size, endpoint, address) for a key the table keeps
+        in its columns, else its KeyInfo; None for a name the earlier listing did not hold."""
+        row = self.rows.get(name)
+        if row is None:
+            return None
+        if (replica := self.table.listed_replica(row)) is not None:
+            endpoint, address, size = replica
+            return size, endpoint, address
+        return self.table.info(row)
+
+
+def _listed_row(answer: dict) -> tuple[int, str, int] | None:
+    """(size, endpoint, address) of an answer that a KeyTable keeps in its columns: one memory
+    replica, no other tier, its size the key's (what `_key_info` + `KeyTable.append` would keep
+    there, without the KeyInfo and replica dicts); None for any other answer."""
+    values = answer.get("values")
+    if not answer.get("ok") or not values or len(values) != 1 or answer.get("disk_values") \
+            or answer.get("local_disk_values") or answer.get("nof_values"):
+        return None
+    replica = values[0]
+    raw_size, endpoint, address = replica.get("size_"), replica.get("transport_endpoint_"), replica.get("buffer_address_")
+    size = int(raw_size or 0)
+    if raw_size != size or not isinstance(address, int) or not isinstance(endpoint, str):
+        return None
+    return size, endpoint, address
 
 
 def _key_info(name: str, answer: dict) -> KeyInfo | None:
@@ -97,11 +142,17 @@ class AdminListing:
         self.key_filter = key_filter
         self.size_of = size_of
         self._through_client = 0
+        self._sized = 0
 
-    def list(self) -> Listing:
+    def list(self, known: KnownKeys | None = None, index: bool = False) -> Listing:
+        """The listing. `known` (an earlier listing's keys): names it holds are taken from it, and only
+        the others are sized by the master (a line whose text another line repeats is always asked).
+        `index`: the listing also maps each name to its table row (`rows_by_name`)."""
         self._through_client = 0
+        self._sized = 0
         lines = _Lines(self.admin.all_keys_body())
         table = KeyTable()
+        rows: dict[str, int] | None = {} if index else None
         repeated = lines.repeated()
         seen: set[str] = set()  # names of repeated lines already found
         unknown: list[int] = []
@@ -117,34 +168,58 @@ class AdminListing:
             wanted += 1
             block.append((i, line))
             if len(block) >= LISTING_BLOCK:
-                self._size_block(block, table, unknown, repeated, seen)
+                self._size_block(block, table, unknown, repeated, seen, known, rows)
                 block = []
-        self._size_block(block, table, unknown, repeated, seen)
-        vanished = self._rejoin(lines, unknown, table)
+        self._size_block(block, table, unknown, repeated, seen, known, rows)
+        vanished = self._rejoin(lines, unknown, table, rows)
         return Listing(keys=table, vanished=vanished, listed_lines=len(lines), outside_filter=outside,
-                       through_client=self._through_client)
+                       through_client=self._through_client, rows_by_name=rows, sized=self._sized)
 
     def _size_block(self, block: list[tuple[int, str]], table: KeyTable, unknown: list[int],
-                    repeated: set[int], seen: set[str]) -> None:
-        answers = self.size_names(line for _, line in block)
+                    repeated: set[int], seen: set[str], known: KnownKeys | None = None,
+                    rows: dict[str, int] | None = None) -> None:
+        if known is None:
+            answers = self._answers(line for _, line in block)
+        else:
+            answers = {}
+            for i, line in block:
+                if i not in repeated and (found := known.get(line)) is not None:
+                    answers[line] = found
+            answers.update(self._answers(line for i, line in block if line not in answers))
         for i, line in block:
-            info = answers.get(line)
-            if info is None:
+            found = answers.get(line)
+            if found is None:
                 unknown.append(i)
-            elif i not in repeated or info.name not in seen:
-                table.append(info)
+            elif i not in repeated or line not in seen:
+                if type(found) is tuple:  # the common key: straight into the table's columns
+                    row = table.append_listed(line, *found)
+                else:
+                    row = table.append(found)
+                if rows is not None:
+                    rows[line] = row
                 if i in repeated:
-                    seen.add(info.name)
+                    seen.add(line)
 
     def size_names(self, names: Iterable[str]) -> dict[str, KeyInfo]:
         """The named keys the store holds, sized lease-free (the client sizes what the admin API
         cannot answer for), by name."""
+        return {name: found if isinstance(found, KeyInfo) else KeyInfo(
+                    name=name, size=found[0], replicas=[{"tier": "memory", "endpoint": found[1], "address": found[2],
+                                                         "size": found[0]}])
+                for name, found in self._answers(names).items()}
+
+    def _answers(self, names: Iterable[str]) -> dict[str, KeyInfo | tuple[int, str, int]]:
+        """`size_names`, with the common key (one memory replica of its own size) as a
+        (size, endpoint, address) tuple instead of a KeyInfo."""
         plain, unanswered = [], []
         for name in names:
             (unanswered if "," in name else plain).append(name)
-        infos: dict[str, KeyInfo] = {}
+        self._sized += len(plain) + len(unanswered)
+        infos: dict[str, KeyInfo | tuple[int, str, int]] = {}
         for name, answer in self.admin.query(plain):
-            if (info := _key_info(name, answer)) is not None:
+            if (row := _listed_row(answer)) is not None:
+                infos[name] = row
+            elif (info := _key_info(name, answer)) is not None:
                 infos[name] = info
             elif answer.get("error") != "OBJECT_NOT_FOUND":
                 unanswered.append(name)  # refused, or known without a replica: the client may still read it
@@ -155,7 +230,8 @@ class AdminListing:
                 self._through_client += 1
         return infos
 
-    def _rejoin(self, lines: _Lines, unknown: list[int], table: KeyTable) -> list[str]:
+    def _rejoin(self, lines: _Lines, unknown: list[int], table: KeyTable,
+                rows: dict[str, int] | None = None) -> list[str]:
         """Rejoin unknown lines with neighbours (keys holding newlines); the rest vanished."""
         if not unknown:
             return []
@@ -168,7 +244,9 @@ class AdminListing:
         answers = self.size_names(name for name in candidates if self.key_filter(name))
         covered: set[int] = set()
         for name, info in answers.items():
-            table.append(info)
+            row = table.append(info)
+            if rows is not None:
+                rows[name] = row
             start, stop = candidates[name]
             covered.update(range(start, stop))
         return [lines[i] for i in unknown if i not in covered]

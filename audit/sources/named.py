@@ -10,7 +10,6 @@ where it cannot (a key list, a snapshot): such names are looked for in every ten
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,8 @@ def _report_keys(records: Iterable[dict]) -> Iterator[NamedKey]:
 
 
 def _snapshot_keys(path: Path) -> Iterator[NamedKey]:
+    import sqlite3  # only where a snapshot names keys: a scan without --keys never loads it
+
     try:
         db = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True)
         try:

@@ -247,18 +247,53 @@ def test_changes_around_the_read_are_moved_or_vanished_never_findings(two_holder
         assert client.store.remove("race/moved-during") == 0
         client.put("race/moved-during", b"\x03" * 30_000, segment=elsewhere)
 
+    # Keys named without their replicas (by records, say): the reader asks where they are just before
+    # the read, and the race runs between that answer and the read.
+    named = [KeyInfo(name=key.name, size=key.size) for key in keys]
     peek = PeekReader(client.settings, RacingAdmin(client.admin, race), 1 << 20)
     try:
-        read = read_all(peek, keys)
+        read = read_all(peek, named)
     finally:
         peek.close()
     codes = {name.removeprefix("race/"): outcome[0] for name, outcome in read.items()}
     assert codes == {"gone-before": OBJECT_NOT_FOUND, "gone-during": OBJECT_NOT_FOUND, "resized": MOVED,
                      "moved-during": MOVED, "steady": 30_000}
     assert [row["status"] for row in read["race/moved-during"][2]] == ["moved"]
-    records = {key.name: record_of(key, *read[key.name]) for key in keys}
+    records = {key.name: record_of(key, *read[key.name]) for key in named}
     assert [name for name, record in records.items() if record.is_finding] == ["race/steady"]
     assert records["race/gone-during"].verdicts == [Verdict.VANISHED]
+
+
+def test_listed_keys_changed_since_the_listing_are_read_where_the_master_says_now(two_holders):
+    """Listed keys are read where the listing saw them, and checked against the master's answer after
+    the read; a key described otherwise by then is read again where that answer says, as a key
+    named without its replicas would be: changes between the listing and the read end as they would
+    with a look-up just before the read."""
+    client = two_holders
+    for name in ["gone", "resized", "moved", "steady"]:
+        client.put(f"since/{name}", bytes(30_000))
+    keys = client.listed("since/")
+    moving = next(key for key in keys if key.name == "since/moved")
+    elsewhere = next(h.segment for h in client.cluster.running_holders if h.segment != moving.replicas[0]["endpoint"])
+    assert client.store.remove("since/gone") == 0
+    assert client.store.remove("since/resized") == 0
+    client.put("since/resized", bytes(40_000))
+    assert client.store.remove("since/moved") == 0
+    client.put("since/moved", b"\x03" * 30_000, segment=elsewhere)
+
+    results = {}
+    for described in (keys, [KeyInfo(name=key.name, size=key.size) for key in keys]):
+        peek = client.peek(1 << 20)
+        try:
+            results[described is keys] = read_all(peek, described)
+        finally:
+            peek.close()
+    listed, named = results[True], results[False]
+    assert listed == named
+    codes = {name.removeprefix("since/"): outcome[0] for name, outcome in listed.items()}
+    assert codes == {"gone": OBJECT_NOT_FOUND, "resized": MOVED, "moved": 30_000, "steady": 30_000}
+    assert listed["since/moved"][1] == b"\x03" * 30_000
+    assert [row["endpoint"] for row in listed["since/moved"][2]] == [elsewhere]
 
 
 def test_a_key_holding_a_comma_is_not_peekable(two_holders, reader):

@@ -14,6 +14,7 @@ import time
 import urllib.request
 
 import pytest
+import xxhash
 from prometheus_client.parser import text_string_to_metric_families
 
 from audit.cluster import LocalCluster, free_port
@@ -258,3 +259,52 @@ def test_a_record_flags_its_key_between_listings(watchers, publisher, cli_args, 
     assert watcher.stop() == 0
     found = [json.loads(line) for line in (tmp_path / "state" / "findings.jsonl").read_text().splitlines()]
     assert [(line["key"], line["verdicts"]) for line in found] == [(after, ["NULL_BACKED"]), (before, ["NULL_BACKED"])]
+
+
+@pytest.mark.parametrize("read_mode", ["peek", "lease"])
+def test_listings_after_the_first_size_only_new_names_and_reads_size_keys_again(publisher, settings, namespace,
+                                                                                 tmp_path, read_mode):
+    """The listing of a round takes the last listing's keys from it (`mooncake_audit_watch_keys_sized`
+    counts what the master sized); a key due for a re-read is sized again first, so a key put again at
+    another size is read at the new one, and a key gone since is forgotten, as with a full listing."""
+    import threading
+
+    from audit.run.options import ScanOptions
+    from audit.run.stops import StopOnSignals
+    from audit.run.watch import FULL_LISTING_EVERY, Watcher, WatchOptions
+    from audit.run.watch_state import WatchState
+
+    for i in range(12):
+        publisher.put(f"{namespace}k{i:02d}", bytes([i + 1]) * 2000)
+    options = WatchOptions(state_dir=tmp_path, interval_s=0.1, period_s=0.001,  # every key due every round
+                           scan=ScanOptions(prefix=namespace, read_mode=read_mode))
+    watcher = Watcher(settings, options, log=lambda line: None)
+    state = WatchState(tmp_path)
+    stop, signals = threading.Event(), StopOnSignals()
+    try:
+        watcher._round(state, stop, signals, 0.1)
+        assert watcher.metrics.keys_sized._value.get() == 12 and watcher._last_listing_full
+        if read_mode == "peek":  # a lease read's lease keeps a key from being removed for a while
+            assert publisher.remove(f"{namespace}k03") == 0
+            publisher.put(f"{namespace}k03", b"\x42" * 3000)   # put again, another size
+            assert publisher.remove(f"{namespace}k05") == 0     # gone
+        publisher.put(f"{namespace}new", b"\x07" * 1500)
+        watcher._round(state, stop, signals, 0.1)
+        assert watcher.metrics.keys_sized._value.get() == 1 and not watcher._last_listing_full
+        stored = {name: (size, digest, verdicts) for name, size, digest, verdicts in state.db.execute(
+            "SELECT name, size, digest, verdicts FROM keys")}
+        if read_mode == "peek":
+            assert f"{namespace}k05" not in stored and len(stored) == 12
+            assert stored[f"{namespace}k03"] == (3000, f"{xxhash.xxh3_64_intdigest(b'B' * 3000):016x}", "[]")
+        else:
+            assert len(stored) == 13
+        assert stored[f"{namespace}new"] == (1500, f"{xxhash.xxh3_64_intdigest(bytes([7]) * 1500):016x}", "[]")
+        assert all(verdicts == "[]" for _, _, verdicts in stored.values())
+        for _ in range(FULL_LISTING_EVERY - 2):
+            watcher._round(state, stop, signals, 0.1)
+            assert not watcher._last_listing_full
+        watcher._round(state, stop, signals, 0.1)  # one listing in FULL_LISTING_EVERY sizes every key
+        assert watcher._last_listing_full and watcher.metrics.keys_sized._value.get() == len(stored)
+    finally:
+        watcher._close_reader()
+        state.close()
