@@ -205,13 +205,8 @@ def _put_except(put, withheld: set[int], keys, ptrs, sizes, args, kwargs) -> lis
         logger.warning("mooncake-audit guard: withholding %d key(s) read from the null block, first %s; "
                        "later ones are only recorded", len(withheld), keys[min(withheld)])
     kept = [index for index in range(len(keys)) if index not in withheld]
-    results = [WITHHELD_RESULT] * len(keys)
-    if kept:
-        with _group_ids_of(kept, len(keys), args, kwargs):
-            stored = put([keys[i] for i in kept], [ptrs[i] for i in kept], [sizes[i] for i in kept], *args, **kwargs)
-        for index, result in zip(kept, stored):
-            results[index] = result
-    return results
+    with _group_ids_of(kept, len(keys), args, kwargs):
+        return _call_for(kept, put, WITHHELD_RESULT, keys, ptrs, sizes, args, kwargs)
 
 
 def _get_except(get, refused: dict[int, str], keys, ptrs, sizes, args, kwargs) -> list[int]:
@@ -219,10 +214,15 @@ def _get_except(get, refused: dict[int, str], keys, ptrs, sizes, args, kwargs) -
     if not refused:
         return list(get(keys, ptrs, sizes, *args, **kwargs))
     kept = [index for index in range(len(keys)) if index not in refused]
-    results = [REFUSED_RESULT] * len(keys)
+    return _call_for(kept, get, REFUSED_RESULT, keys, ptrs, sizes, args, kwargs)
+
+
+def _call_for(kept: list[int], call, left_out: int, keys, ptrs, sizes, args, kwargs) -> list[int]:
+    """`call` on the `kept` keys only (never with none); every other key's result is `left_out`."""
+    results = [left_out] * len(keys)
     if kept:
-        loaded = get([keys[i] for i in kept], [ptrs[i] for i in kept], [sizes[i] for i in kept], *args, **kwargs)
-        for index, result in zip(kept, loaded):
+        answered = call([keys[i] for i in kept], [ptrs[i] for i in kept], [sizes[i] for i in kept], *args, **kwargs)
+        for index, result in zip(kept, answered):
             results[index] = result
     return results
 

@@ -83,7 +83,7 @@ class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return module
 
     def exec_module(self, module):
-        pass
+        """Nothing to run: create_module set everything a stand-in has."""
 
 
 def _prepare() -> None:

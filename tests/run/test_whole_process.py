@@ -145,7 +145,7 @@ class _Reader:
         return FetchedBatch(slots, [slot.key.size for slot in slots], self.SimpleNamespace(array=view))
 
     def close(self):
-        pass
+        """Holds nothing to release."""
 
 
 def _keys(count: int) -> tuple[list[KeyInfo], dict[str, bytes]]:
