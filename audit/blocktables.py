@@ -20,12 +20,12 @@ The recorder's manifests (``manifest-*.json``) in the same directories are layou
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from audit.recordfiles import AppendedLines, Malformed, numbered_lines, parsed_lines
 from audit.errors import AuditError
 from audit.keys import vllm_key
 from audit.layouts.manifest import is_manifest_path
@@ -104,14 +104,10 @@ def _earlier(at: float | None, than: float | None) -> bool:
     return at is not None and than is not None and at < than
 
 
-class _Malformed(ValueError):
-    """A record that breaks the schema; becomes a file:line error (or a skipped line)."""
-
-
 def _int(record: dict, name: str, default: int | None = None) -> int:
     value = record.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _Malformed(f"'{name}' must be a non-negative integer")
+        raise Malformed(f"'{name}' must be a non-negative integer")
     return value
 
 
@@ -119,7 +115,7 @@ def _block_ids(record: dict) -> tuple[int, ...]:
     if "block_ids" in record:
         ids = record["block_ids"]
         if not isinstance(ids, list) or not ids:
-            raise _Malformed("'block_ids' must be a non-empty list of integers")
+            raise Malformed("'block_ids' must be a non-empty list of integers")
         return tuple(_int({"block_ids[]": i}, "block_ids[]") for i in ids)
     return (_int(record, "block_id"),)
 
@@ -130,7 +126,7 @@ def _outcome(record: dict) -> str | None:
         return None
     rc = record["rc"]
     if rc is not None and (isinstance(rc, bool) or not isinstance(rc, int)):
-        raise _Malformed("'rc' must be an integer or null")
+        raise Malformed("'rc' must be an integer or null")
     return FAILED if record.get("withheld") or rc is None or rc < 0 else STORED
 
 
@@ -148,17 +144,17 @@ def _expand(record: dict) -> Iterator[tuple[str, tuple[int, ...], int | None]]:
     """(key, block ids, token boundary if known) for every entry of one record, either shape."""
     if "key" in record:
         if not isinstance(record["key"], str):
-            raise _Malformed("'key' must be a string")
+            raise Malformed("'key' must be a string")
         yield record["key"], _block_ids(record), None
         return
     if "chunk_hashes" not in record:
-        raise _Malformed("a record needs 'key' (per key) or 'chunk_hashes' (per request)")
+        raise Malformed("a record needs 'key' (per key) or 'chunk_hashes' (per request)")
     hashes, ids = record["chunk_hashes"], record.get("block_ids")
     if not isinstance(hashes, list) or not isinstance(ids, list) or len(hashes) != len(ids):
-        raise _Malformed("'chunk_hashes' and 'block_ids' must be lists of equal length")
+        raise Malformed("'chunk_hashes' and 'block_ids' must be lists of equal length")
     model = record.get("model")
     if not isinstance(model, str) or not model:
-        raise _Malformed("'model' must be a non-empty string")
+        raise Malformed("'model' must be a non-empty string")
     group = record.get("group", 0)
     parts = dict(tp_rank=_int(record, "tp_rank", 0), pcp=_int(record, "pcp", 0), dcp=_int(record, "dcp", 0),
                  pp_rank=_int(record, "pp_rank", 0), group=None if group is None else _int(record, "group"),
@@ -166,7 +162,7 @@ def _expand(record: dict) -> Iterator[tuple[str, tuple[int, ...], int | None]]:
     block_size = _int(record, "block_size") if record.get("block_size") is not None else None
     for index, (chunk_hash, block_id) in enumerate(zip(hashes, ids)):
         if not isinstance(chunk_hash, str):
-            raise _Malformed("'chunk_hashes' must hold strings")
+            raise Malformed("'chunk_hashes' must hold strings")
         boundary = None if block_size is None else (index + 1) * block_size
         yield (vllm_key(Path(model).name, chunk_hash, **parts), (_int({"block_ids[]": block_id}, "block_ids[]"),),
                boundary)
@@ -196,41 +192,29 @@ def read_block_tables(paths: Iterable[Path], *, lenient: bool = False) -> BlockT
     tables = BlockTables()
     for path in _files(paths):
         tables.files.append(str(path))
-        try:
-            handle = open(path, encoding="utf-8", errors="strict")
-        except OSError as error:
-            raise AuditError(f"cannot read block table {path}: {error.strerror}") from None
-        with handle:
-            try:
-                _read_lines(tables, path, enumerate(handle, 1), lenient)
-            except UnicodeDecodeError:
-                raise AuditError(f"block table {path} is not UTF-8 text") from None
+        _read_lines(tables, path, numbered_lines(path, "block table"), lenient)
     return tables
+
+
+def _parsed(record: dict) -> tuple[dict, list | None, str | None]:
+    """A line's record, its entries (None: unresolved) and how its put ended."""
+    return record, None if _unresolved(record) else list(_expand(record)), _outcome(record)
 
 
 def _read_lines(tables: BlockTables, path: Path, lines: Iterable[tuple[int, str]], lenient: bool) -> set[str]:
     """Add the records of numbered lines of one file to `tables`; the keys their stored puts name."""
     named: set[str] = set()
-    for number, line in lines:
-        if not line.strip():
-            continue
-        source = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-            if not isinstance(record, dict):
-                raise _Malformed("a line must hold a JSON object")
-            entries = None if _unresolved(record) else list(_expand(record))
-            outcome = _outcome(record)
-        except (json.JSONDecodeError, _Malformed) as error:
-            if lenient:
-                tables.skipped_lines += 1
-                continue
-            reason = error.msg if isinstance(error, json.JSONDecodeError) else str(error)
-            raise AuditError(f"block table {source}: {reason}") from None
+
+    def skipped() -> None:
+        tables.skipped_lines += 1
+
+    for number, (record, entries, outcome) in parsed_lines(lines, path, "block table", _parsed, lenient=lenient,
+                                                           skipped=skipped):
         if entries is None:
             tables.unresolved += 1
             continue
         tables.records += 1
+        source = f"{path}:{number}"
         req_id = record.get("req_id")
         for key, block_ids, boundary in entries:
             tables.add(key, block_ids, source, None if req_id is None else str(req_id), boundary,
@@ -241,56 +225,35 @@ def _read_lines(tables: BlockTables, path: Path, lines: Iterable[tuple[int, str]
 
 
 class BlockTableTail:
-    """The records of `paths` read as they are written (`watch`): each `poll` reads only the bytes
-    appended to each file since the last one, whole lines only (a line still being written waits for
-    its newline). A file that shrank or was replaced (another inode: truncated, rotated onto the same
-    name) is read again from its start, a new file from its start; `tables` accumulates every record
-    read, as `read_block_tables` would have built it from the same lines."""
+    """The records of `paths` read as they are written (`watch`): each `poll` reads only the whole
+    lines appended to each file since the last one (`audit.recordfiles`); `tables` accumulates every
+    record read, as `read_block_tables` would have built it from the same lines."""
 
     def __init__(self, paths: Iterable[Path], *, lenient: bool = False):
         self.paths = tuple(Path(path) for path in paths)
         self.lenient = lenient
         self.tables = BlockTables()
-        self.bytes_read = 0
-        self._cursors: dict[str, tuple[int, int, int]] = {}  # path: (inode, byte offset, lines read)
+        self._appended = AppendedLines()
+
+    @property
+    def bytes_read(self) -> int:
+        return self._appended.bytes_read
 
     def poll(self) -> set[str]:
         """Read what was appended since the last poll; the keys the new records name."""
         named: set[str] = set()
-        present: set[str] = set()
-        for path in _files(self.paths):
-            name = str(path)
-            try:
-                stat = path.stat()
-            except OSError:
-                continue  # removed between the listing of the directory and now
-            present.add(name)
-            inode, offset, number = self._cursors.get(name, (stat.st_ino, 0, 0))
-            if inode != stat.st_ino or stat.st_size < offset:
-                inode, offset, number = stat.st_ino, 0, 0  # truncated or replaced: read it again
-            if stat.st_size > offset:
-                offset, number = self._read_new(path, offset, number, named)
-            self._cursors[name] = (inode, offset, number)
-            if name not in self.tables.files:
-                self.tables.files.append(name)
-        for name in set(self._cursors) - present:
-            del self._cursors[name]  # rotated away: its records stay in `tables`
-        return named
-
-    def _read_new(self, path: Path, offset: int, number: int, named: set[str]) -> tuple[int, int]:
+        paths = list(_files(self.paths))
         try:
-            with open(path, "rb") as handle:
-                handle.seek(offset)
-                data = handle.read()
+            appended = self._appended.read(paths)
         except OSError as error:
-            raise AuditError(f"cannot read block table {path}: {error.strerror}") from None
-        end = data.rfind(b"\n") + 1
-        if not end:
-            return offset, number
-        try:
-            lines = data[:end].decode("utf-8", errors="strict").split("\n")[:-1]
-        except UnicodeDecodeError:
-            raise AuditError(f"block table {path} is not UTF-8 text") from None
-        named |= _read_lines(self.tables, path, enumerate(lines, number + 1), self.lenient)
-        self.bytes_read += end
-        return offset + end, number + len(lines)
+            raise AuditError(f"cannot read block table {error.filename}: {error.strerror}") from None
+        for new in appended:
+            try:
+                lines = new.data.decode("utf-8", errors="strict").split("\n")[:-1]
+            except UnicodeDecodeError:
+                raise AuditError(f"block table {new.path}: not UTF-8 text") from None
+            named |= _read_lines(self.tables, new.path, enumerate(lines, new.lines_before + 1), self.lenient)
+        for path in paths:
+            if str(path) not in self.tables.files:
+                self.tables.files.append(str(path))
+        return named

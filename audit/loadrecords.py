@@ -18,13 +18,12 @@ read bytes (rc >= 0) and was not refused; one that did neither *failed*. Other f
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from audit.errors import AuditError
+from audit.recordfiles import Malformed, numbered_lines, parsed_lines
 
 LOAD_RECORD_PREFIX = "loads-"
 
@@ -89,10 +88,6 @@ def load_record_files(paths: Iterable[Path]) -> list[Path]:
     return found
 
 
-class _Malformed(ValueError):
-    """A line that breaks the schema; becomes a file:line error (or a skipped line)."""
-
-
 _MISSING = object()
 
 
@@ -136,7 +131,7 @@ def _parse(record: dict, interned: dict) -> tuple[str, Load]:
             and _nonnegative(pid) and _text_or_null(api_id) and _text_or_null(vllm_id) and _nonnegative(size)
             and (rc is None or type(rc) is int) and (tp_rank is None or _nonnegative(tp_rank))
             and _text_or_null(tenant) and (refused is None or refused is False or (type(reason) is str and reason))):
-        raise _Malformed(_reason(record))
+        raise Malformed(_reason(record))
     shared = interned.setdefault
     return key, Load(time=float(when), host=shared(host, host), pid=pid,
                      request_id=None if api_id is None else shared(api_id, api_id),
@@ -153,30 +148,14 @@ def read_load_records(paths: Iterable[Path], *, lenient: bool = False) -> LoadRe
     """
     result = LoadRecords()
     interned: dict = {}
+
+    def skipped() -> None:
+        result.skipped_lines += 1
+
     for path in load_record_files(paths):
         result.files.append(str(path))
-        try:
-            handle = open(path, encoding="utf-8", errors="strict")
-        except OSError as error:
-            raise AuditError(f"cannot read load records {path}: {error.strerror}") from None
-        with handle:
-            try:
-                for number, line in enumerate(handle, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                        if not isinstance(record, dict):
-                            raise _Malformed("a line must hold a JSON object")
-                        key, load = _parse(record, interned)
-                    except (json.JSONDecodeError, _Malformed) as error:
-                        if lenient:
-                            result.skipped_lines += 1
-                            continue
-                        reason = error.msg if isinstance(error, json.JSONDecodeError) else str(error)
-                        raise AuditError(f"load records {path}:{number}: {reason}") from None
-                    result.records += 1
-                    result.loads.setdefault(key, []).append(load)
-            except UnicodeDecodeError:
-                raise AuditError(f"load records {path} are not UTF-8 text") from None
+        for _, (key, load) in parsed_lines(numbered_lines(path, "load records"), path, "load records",
+                                           lambda record: _parse(record, interned), lenient=lenient, skipped=skipped):
+            result.records += 1
+            result.loads.setdefault(key, []).append(load)
     return result

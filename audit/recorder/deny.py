@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
+from audit.recordfiles import AppendedLines
 from audit.blocktables import NULL_BLOCK_ID
 from audit.recorder.records import RecordWriter, logger
 
@@ -26,37 +27,22 @@ PUT_RECORDS_POLL_S = 0.5  # another engine's puts: read at most this often
 
 
 class _Tail:
-    """New whole lines of the files matching `pattern` in `directories`, file by file."""
+    """New whole lines of the files matching `pattern` in `directories`."""
 
     def __init__(self, directories: list[Path], pattern: str):
         self.directories = directories
         self.pattern = pattern
-        self._cursors: dict[Path, tuple[int, int]] = {}  # path: (inode, offset)
+        self._appended = AppendedLines()
 
     def lines(self) -> list[str]:
-        found: list[str] = []
+        paths: list[Path] = []
         for directory in self.directories:
             try:
-                paths = sorted(directory.glob(self.pattern))
+                paths += sorted(directory.glob(self.pattern))
             except OSError:
                 continue
-            for path in paths:
-                try:
-                    stat = path.stat()
-                    inode, offset = self._cursors.get(path, (stat.st_ino, 0))
-                    if inode != stat.st_ino or stat.st_size < offset:
-                        inode, offset = stat.st_ino, 0
-                    if stat.st_size > offset:
-                        with open(path, "rb") as handle:
-                            handle.seek(offset)
-                            data = handle.read(stat.st_size - offset)
-                        end = data.rfind(b"\n") + 1
-                        found += data[:end].decode("utf-8", "replace").splitlines()
-                        offset += end
-                    self._cursors[path] = (inode, offset)
-                except OSError:
-                    continue  # rotated away meanwhile: its lines were read or are gone
-        return found
+        return [line for new in self._appended.read(paths, skip_unreadable=True)
+                for line in new.data.decode("utf-8", "replace").splitlines()]
 
 
 class _Bounded:
