@@ -45,29 +45,27 @@ MISSING_EXAMPLES = 8    # missing members named in each record's evidence
 TEMPLATES = 4096        # distinct key shapes whose parse is remembered (vLLM: one per model, rank, group)
 
 
-class _Members:
-    """Key name -> Member, parsing each key shape once: a vLLM key is its shape (everything before
-    the last '@') plus a chunk hash, and the shape alone decides family, part and rank."""
+class _Templates:
+    """A vLLM key is its shape (everything before the last '@') plus a chunk hash, and the shape alone
+    decides family, part and rank: each shape is parsed once, into the slot its keys fill."""
 
     def __init__(self):
-        self._shapes: dict[str, Member | None] = {}
+        self._shapes: dict[str, tuple | None] = {}  # shape -> (family, part, rank, world); None: no vLLM shape
 
-    def __call__(self, name: str) -> Member | None:
-        if (split := split_stem(name)) is not None:
-            shape, chunk_hash = split
-            template = self._shapes.get(shape, False)
-            if template is False:
-                fields = parse_key(name)
-                template = member_of(fields) if fields.get("chunk_hash") == chunk_hash and fields.get(
-                    "scheme") == "vllm" else None
-                if len(self._shapes) < TEMPLATES:
-                    self._shapes[shape] = template
-                if template is None:
-                    return member_of(fields)
-            if template is not None:
-                return Member(template.family, (*template.family, chunk_hash), template.part, template.rank,
-                              template.world)
-        return member_of(parse_key(name))
+    def slot(self, name: str) -> tuple[tuple, str] | None:
+        """(the slot of the name's shape, its chunk hash) for a vLLM key, else None."""
+        if (split := split_stem(name)) is None:
+            return None
+        stem, chunk_hash = split
+        slot = self._shapes.get(stem, False)
+        if slot is False:
+            fields = parse_key(name)
+            member = member_of(fields) if fields.get("chunk_hash") == chunk_hash and fields.get(
+                "scheme") == "vllm" else None
+            slot = None if member is None else (member.family, member.part, member.rank, member.world)
+            if len(self._shapes) < TEMPLATES:
+                self._shapes[stem] = slot
+        return None if slot is None else (slot, chunk_hash)
 
 
 @dataclass
@@ -106,22 +104,27 @@ class ChunkIndex:
     @classmethod
     def _build(cls, keys, names: list | None) -> ChunkIndex:
         index = cls()
-        members = _Members()
+        templates = _Templates()
         slot_ids: dict[tuple, int] = {}
+        rows, chunks, slots, sizes = index.rows.append, index.chunk.append, index.slot.append, index.size.append
         for ordinal, name, size in keys:
             if names is not None:
                 names.append(name)
-            member = members(name)
-            if member is None:
-                continue
-            slot = (member.family, member.part, member.rank, member.world)
+            if (found := templates.slot(name)) is not None:
+                slot, chunk_hash = found
+                chunk = hash((*slot[0], chunk_hash))  # the chunk of Member: (*family, chunk hash)
+            else:
+                member = member_of(parse_key(name))
+                if member is None:
+                    continue
+                slot, chunk = (member.family, member.part, member.rank, member.world), hash(member.chunk)
             if (slot_id := slot_ids.get(slot)) is None:
                 slot_id = slot_ids[slot] = len(index.slots)
                 index.slots.append(slot)
-            index.rows.append(ordinal)
-            index.chunk.append(hash(member.chunk))
-            index.slot.append(slot_id)
-            index.size.append(-1 if size is None else size)
+            rows(ordinal)
+            chunks(chunk)
+            slots(slot_id)
+            sizes(-1 if size is None else size)
         return index
 
     def __len__(self) -> int:

@@ -277,9 +277,7 @@ class Watcher:
         unjudged = [table.info(listed[name]) for name in self._chunks_unjudged if name in listed and name not in read]
         self._chunks_unjudged.clear()
         records, earlier, lost = self._read(state, admin, keys, stop, keys_listed=len(listing.keys),
-                                            chunks=ChunkIndex.of((table.name(row), table.size(row))
-                                                                 for row in range(len(table)))
-                                            if keys or unjudged else None,
+                                            chunks=ChunkIndex.of_table(table) if keys or unjudged else None,
                                             unjudged=unjudged)
         self._commit(state, records, earlier)  # what was judged before a lost master stands
         if lost and signals.received is None:

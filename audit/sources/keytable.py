@@ -45,11 +45,7 @@ class KeyTable(Sequence):
         replicas = key.replicas
         if (len(replicas) == 1 and replicas[0].get("tier") == "memory" and replicas[0].get("size") == key.size
                 and isinstance(replicas[0].get("address"), int) and isinstance(replicas[0].get("endpoint"), str)):
-            endpoint = replicas[0]["endpoint"]
-            if endpoint not in self._endpoint_ids:
-                self._endpoint_ids[endpoint] = len(self._endpoints)
-                self._endpoints.append(endpoint)
-            self._endpoint.append(self._endpoint_ids[endpoint])
+            self._endpoint.append(self._endpoint_id(replicas[0]["endpoint"]))
             self._address.append(replicas[0]["address"])
         else:
             self._endpoint.append(-1)
@@ -65,13 +61,37 @@ class KeyTable(Sequence):
         self._arena += name.encode(*_ENCODING)
         self._ends.append(len(self._arena))
         self._sizes.append(size)
+        self._endpoint.append(self._endpoint_id(endpoint))
+        self._address.append(address)
+        return row
+
+    def extend_copied(self, other: KeyTable, rows: Sequence[int], names: Sequence[str]) -> range:
+        """Add rows of `other` whose replica its columns hold (`other.in_columns`), as `append_listed`
+        would add each, column by column (a listing of a store that changed little copies nearly
+        every key from the last one); `names`: those rows' names, which the caller has. Their rows."""
+        start = len(self._ends)
+        if not rows:
+            return range(start, start)
+        encoded = [name.encode(*_ENCODING) for name in names]
+        ends = len(self._arena) + np.cumsum(np.fromiter(map(len, encoded), dtype=np.uint64, count=len(encoded)))
+        self._arena += b"".join(encoded)
+        self._ends.frombytes(ends.astype(np.uint64).tobytes())
+        taken = np.asarray(rows, dtype=np.int64)
+        self._sizes.frombytes(np.frombuffer(other._sizes, dtype=np.int64)[taken].tobytes())
+        ids = np.array([self._endpoint_id(endpoint) for endpoint in other._endpoints], dtype=np.int64)
+        endpoint = np.frombuffer(other._endpoint, dtype=np.dtype(f"i{other._endpoint.itemsize}"))[taken]
+        if (endpoint < 0).any():
+            raise ValueError("extend_copied: a row whose replicas are kept aside")
+        self._endpoint.frombytes(ids[endpoint].astype(np.dtype(f"i{self._endpoint.itemsize}")).tobytes())
+        self._address.frombytes(np.frombuffer(other._address, dtype=np.uint64)[taken].tobytes())
+        return range(start, start + len(rows))
+
+    def _endpoint_id(self, endpoint: str) -> int:
         found = self._endpoint_ids.get(endpoint)
         if found is None:
             found = self._endpoint_ids[endpoint] = len(self._endpoints)
             self._endpoints.append(endpoint)
-        self._endpoint.append(found)
-        self._address.append(address)
-        return row
+        return found
 
     @classmethod
     def of(cls, keys: Iterable[KeyInfo]) -> KeyTable:
@@ -153,6 +173,10 @@ class KeyTable(Sequence):
 
     def total_size(self) -> int:
         return int(self.size_array().clip(0).sum())
+
+    def in_columns(self, row: int) -> bool:
+        """Whether the columns hold the row's replica (one memory replica of the key's own size)."""
+        return self._endpoint[row] >= 0
 
     def listed_replica(self, row: int) -> tuple[str, int, int | None] | None:
         """(endpoint, address, size) of a row's one memory replica, where the columns hold it."""

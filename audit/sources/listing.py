@@ -21,7 +21,7 @@ from audit.sources.keytable import KeyTable
 
 REJOIN_SPAN = 8                   # a key may hold up to this many newlines and still be found
 REJOIN_LIMIT = 1_000              # unknown lines beyond this are reported as vanished, not rejoined
-LISTING_BLOCK = 8_192             # lines sized per round of lease-free queries
+LISTING_BLOCK = 8_192             # listed lines sized per round of lease-free queries
 TIERS = {"values": "memory", "disk_values": "disk", "local_disk_values": "local_disk", "nof_values": "nof"}
 
 
@@ -61,17 +61,6 @@ class KnownKeys:
 
     def __contains__(self, name: str) -> bool:
         return name in self.rows
-
-    def get(self, name: str) -> KeyInfo | tuple[int, str, int] | None:
-        """As `AdminListing._answers` gives a key: (size, endpoint, address) for a key the table keeps
-        in its columns, else its KeyInfo; None for a name the earlier listing did not hold."""
-        row = self.rows.get(name)
-        if row is None:
-            return None
-        if (replica := self.table.listed_replica(row)) is not None:
-            endpoint, address, size = replica
-            return size, endpoint, address
-        return self.table.info(row)
 
 
 def _listed_row(answer: dict) -> tuple[int, str, int] | None:
@@ -122,6 +111,14 @@ class _Lines:
     def __getitem__(self, i: int) -> str:
         return self.body[self.starts[i]:self.ends[i]].decode("utf-8", errors="surrogateescape")
 
+    def block(self, first: int, count: int) -> list[str]:
+        """Lines first .. first + count - 1 (fewer at the end), decoded at once: a newline byte is
+        never inside a UTF-8 sequence, so they are the lines `[i]` gives one by one."""
+        last = min(first + count, len(self.ends)) - 1
+        if last < first:
+            return []
+        return self.body[self.starts[first]:self.ends[last]].decode("utf-8", errors="surrogateescape").split("\n")
+
     def repeated(self) -> set[int]:
         """Lines whose text another line also has (a key's newline-split part may equal a key)."""
         if not len(self.ends):
@@ -156,21 +153,18 @@ class AdminListing:
         repeated = lines.repeated()
         seen: set[str] = set()  # names of repeated lines already found
         unknown: list[int] = []
-        wanted = outside = 0
-        block: list[tuple[int, str]] = []
-        for i in range(len(lines)):
-            line = lines[i]
-            if not line:
-                continue
-            if not self.key_filter(line):
-                outside += 1
-                continue
-            wanted += 1
-            block.append((i, line))
-            if len(block) >= LISTING_BLOCK:
-                self._size_block(block, table, unknown, repeated, seen, known, rows)
-                block = []
-        self._size_block(block, table, unknown, repeated, seen, known, rows)
+        outside = 0
+        keep = None if self.key_filter == KeyFilter() else self.key_filter
+        for first in range(0, len(lines), LISTING_BLOCK):
+            block: list[tuple[int, str]] = []
+            for i, line in enumerate(lines.block(first, LISTING_BLOCK), first):
+                if not line:
+                    continue
+                if keep is not None and not keep(line):
+                    outside += 1
+                    continue
+                block.append((i, line))
+            self._size_block(block, table, unknown, repeated, seen, known, rows)
         vanished = self._rejoin(lines, unknown, table, rows)
         return Listing(keys=table, vanished=vanished, listed_lines=len(lines), outside_filter=outside,
                        through_client=self._through_client, rows_by_name=rows, sized=self._sized)
@@ -178,27 +172,44 @@ class AdminListing:
     def _size_block(self, block: list[tuple[int, str]], table: KeyTable, unknown: list[int],
                     repeated: set[int], seen: set[str], known: KnownKeys | None = None,
                     rows: dict[str, int] | None = None) -> None:
-        if known is None:
-            answers = self._answers(line for _, line in block)
-        else:
-            answers = {}
-            for i, line in block:
-                if i not in repeated and (found := known.get(line)) is not None:
-                    answers[line] = found
-            answers.update(self._answers(line for i, line in block if line not in answers))
-        for i, line in block:
-            found = answers.get(line)
+        taken: dict[int, int] = {}  # block position -> the known listing's row of that name
+        if known is not None:
+            known_rows = known.rows
+            for j, (i, line) in enumerate(block):
+                if i not in repeated and (row := known_rows.get(line)) is not None:
+                    taken[j] = row
+        answers = self._answers(line for j, (_, line) in enumerate(block) if j not in taken)
+        copied_rows: list[int] = []   # a run of known keys the columns hold: copied column by column
+        copied_names: list[str] = []
+
+        def copy_run() -> None:
+            added = table.extend_copied(known.table, copied_rows, copied_names)
+            if rows is not None:
+                rows.update(zip(copied_names, added))
+            copied_rows.clear()
+            copied_names.clear()
+
+        for j, (i, line) in enumerate(block):
+            if (row := taken.get(j)) is not None and known.table.in_columns(row):
+                copied_rows.append(row)
+                copied_names.append(line)
+                continue
+            if copied_rows:
+                copy_run()
+            found = known.table.info(row) if row is not None else answers.get(line)
             if found is None:
                 unknown.append(i)
             elif i not in repeated or line not in seen:
                 if type(found) is tuple:  # the common key: straight into the table's columns
-                    row = table.append_listed(line, *found)
+                    added = table.append_listed(line, *found)
                 else:
-                    row = table.append(found)
+                    added = table.append(found)
                 if rows is not None:
-                    rows[line] = row
+                    rows[line] = added
                 if i in repeated:
                     seen.add(line)
+        if copied_rows:
+            copy_run()
 
     def size_names(self, names: Iterable[str]) -> dict[str, KeyInfo]:
         """The named keys the store holds, sized lease-free (the client sizes what the admin API

@@ -54,3 +54,28 @@ def test_listing_lines_are_read_from_the_body_and_repeats_found():
     assert len(lines) == 5 and [lines[i] for i in range(5)] == ["a", "b", "", "b", "last"]
     assert lines.repeated() == {1, 3}
     assert len(_Lines(b"")) == 0 and len(_Lines(b"x\n")) == 1
+
+
+def test_rows_copied_from_another_table_are_the_rows_appended_one_by_one():
+    earlier = KeyTable.of(KEYS)
+    copied, appended = KeyTable(), KeyTable()
+    copied.append_listed("first", 3, "10.0.0.9:1", 1)  # an endpoint the earlier table does not know
+    appended.append_listed("first", 3, "10.0.0.9:1", 1)
+    rows = [4, 0]  # the rows whose replica the columns hold, in another order
+    assert all(earlier.in_columns(row) for row in rows) and not earlier.in_columns(1)
+    assert copied.extend_copied(earlier, rows, [earlier.name(row) for row in rows]) == range(1, 3)
+    for row in rows:
+        endpoint, address, size = earlier.listed_replica(row)
+        appended.append_listed(earlier.name(row), size, endpoint, address)
+    assert [(k.name, k.size, k.replicas, k.ordinal) for k in copied] == \
+        [(k.name, k.size, k.replicas, k.ordinal) for k in appended]
+    assert copied.extend_copied(earlier, [], []) == range(3, 3)
+
+
+def test_a_block_of_lines_decoded_at_once_is_the_lines_one_by_one():
+    body = "a\n\nkey \u00e9\n".encode() + b"bad \xff\xfe byte\nlast"
+    lines = _Lines(body)
+    one_by_one = [lines[i] for i in range(len(lines))]
+    assert one_by_one == ["a", "", "key \u00e9", "bad \udcff\udcfe byte", "last"]
+    assert lines.block(0, 2) + lines.block(2, 2) + lines.block(4, 2) == one_by_one
+    assert lines.block(5, 2) == [] and lines.block(0, 100) == one_by_one
