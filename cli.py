@@ -380,7 +380,7 @@ def watch(*, state_dir: Annotated[Optional[Path], typer.Option(
           interval: Annotated[float, typer.Option(
               "--interval", envvar="MOONCAKE_AUDIT_INTERVAL", min=0.1,
               help="Seconds between listings (new keys first); stretched while the listing takes over a "
-                   "tenth of it.")] = 10.0,
+                   "tenth of it.")] = 5.0,
           period: Annotated[str, typer.Option(
               "--period", envvar="MOONCAKE_AUDIT_PERIOD", help="Re-read every key at least this often "
                                                                "(3600, 30m, 24h, 7d), oldest first.")] = "24h",

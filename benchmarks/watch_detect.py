@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keys", type=int, default=100_000)
     parser.add_argument("--value-bytes", type=int, default=1024)
     parser.add_argument("--samples", type=int, default=30, help="bad keys per feed")
-    parser.add_argument("--interval", type=float, default=10.0, help="the watcher's --interval (its default: 10)")
+    parser.add_argument("--interval", type=float, default=5.0, help="the watcher's --interval (its default: 5)")
     parser.add_argument("--clean-rate", type=float, default=20.0, help="clean puts per second meanwhile")
     parser.add_argument("--bandwidths", default="262144,1048576", help="--max-bandwidth settings of the cost runs")
     parser.add_argument("--cost-seconds", type=float, default=120.0)

@@ -92,7 +92,7 @@ def in_window(window: tuple[int, int] | None, moment: datetime) -> bool:
 @dataclass
 class WatchOptions:
     state_dir: Path
-    interval_s: float = 10.0
+    interval_s: float = 5.0  # a key is found within about one interval of its put (docs/watch.md)
     period_s: float = 86400.0
     window: tuple[int, int] | None = None
     listen: str = "127.0.0.1:9310"
