@@ -162,6 +162,22 @@ class EngineFailed(RuntimeError):
     """The vLLM engine did not come up or did not finish (the log tail says why)."""
 
 
+def run_once(session, name: str, make):
+    """``make()`` once per test session, kept in ``session.runs[name]``; an engine that failed is
+    not started again: later tests that need it fail with its first error."""
+    import pytest
+
+    if name in session.failures:
+        pytest.fail(f"engine {name} failed earlier in this session:\n{session.failures[name]}")
+    if name not in session.runs:
+        try:
+            session.runs[name] = make()
+        except (EngineFailed, subprocess.TimeoutExpired) as error:
+            session.failures[name] = str(error)
+            raise
+    return session.runs[name]
+
+
 def interesting_lines(text: str) -> list[str]:
     found = []
     for line in text.splitlines():
@@ -278,3 +294,29 @@ def remove_key(config_path: Path, key: str, timeout_s: float = 60.0) -> int:
     if process.returncode != 0:
         raise RuntimeError(f"remove {key!r} failed: {process.stderr.strip()[-500:]}")
     return int(process.stdout.strip().splitlines()[-1])
+
+
+PLANT_SCRIPT = """
+import json, sys
+from pathlib import Path
+from audit.connection import Settings, open_store
+store = open_store(Settings.resolve(config=Path(sys.argv[1])))
+for copy in json.loads(sys.argv[2]):
+    value = bytearray(store.get(copy["source"]))
+    assert value, copy["source"]
+    for offset, length in copy["zero"]:
+        value[offset:offset + length] = bytes(length)
+    rc = store.put(copy["key"], bytes(value))
+    assert rc == 0, (copy["key"], rc)
+store.close()
+"""
+
+
+def plant_copies(config_path: Path, copies: list[dict], timeout_s: float = 60.0) -> None:
+    """Put each ``{"source", "key", "zero": [[offset, length], ...]}``: a copy of a real key's value
+    under a new key, with those byte ranges zeroed, from a client of its own (a fault planted beside
+    what the producer published)."""
+    process = subprocess.run([sys.executable, "-c", PLANT_SCRIPT, str(config_path), json.dumps(copies)], cwd=REPO,
+                             env=_clean_env(), capture_output=True, text=True, timeout=timeout_s)
+    if process.returncode != 0:
+        raise RuntimeError(f"planting {len(copies)} keys failed: {process.stderr.strip()[-800:]}")

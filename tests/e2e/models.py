@@ -30,6 +30,7 @@ class TinyModel:
     why_not: str = ""
     config_extra: dict = field(default_factory=dict)  # keys added to config.json after saving
     config_args: dict = field(default_factory=dict)   # overrides of the transformers config's arguments
+    weight_renames: tuple = ()  # (old, new) substrings of saved tensor names: the names vLLM's loader reads
 
 
 MODELS: dict[str, TinyModel] = {m.name: m for m in [
@@ -68,7 +69,23 @@ NEW_FAMILY_MODELS: dict[str, TinyModel] = {m.name: m for m in [
     TinyModel("zamba2-hybrid-tiny", "zamba2", "bfloat16", mamba=True, block_size=None,
               config_args={"layers_block_type": ["mamba", "hybrid", "mamba", "hybrid"]}),
 ]}
-ALL_MODELS: dict[str, TinyModel] = {**MODELS, **TP2_MODELS, **NEW_FAMILY_MODELS}
+# Only in tests/e2e/test_new_families_e2e.py (issue #30): MLA and OLMo Hybrid. The CPU MLA decode kernel
+# compiles for a 576-wide latent only (kv_lora_rank 512 + qk_rope_head_dim 64, CPUMLABackend), and the
+# CPU platform forces its block to 16; 2 heads so TP 2 runs. OLMo Hybrid's GDN layers follow the CPU GDN
+# rules (bfloat16, linear head dims 128), its attention heads hidden/heads = 64 wide; its GDN core runs
+# on vLLM's CPU GDN op through the shim plugin (MOONCAKE_AUDIT_E2E_OLMO_CPU), which needs
+# linear_allow_neg_eigval false.
+LAYOUT_30_MODELS: dict[str, TinyModel] = {m.name: m for m in [
+    TinyModel("deepseek-v3-tiny", "deepseek_v3", "float32", mamba=False, block_size=None, serve_dtype="float32"),
+    TinyModel("deepseek-v3-tiny-bf16", "deepseek_v3", "bfloat16", mamba=False, block_size=None),
+    # transformers 5 saves OLMo Hybrid's norms as attention_layer_norm / feedforward_layer_norm,
+    # names vLLM 0.32's OlmoHybridModel mapper does not know (it loads input_layernorm /
+    # post_attention_layernorm)
+    TinyModel("olmo-hybrid-tiny", "olmo_hybrid", "bfloat16", mamba=True, block_size=None,
+              weight_renames=(("attention_layer_norm", "input_layernorm"),
+                              ("feedforward_layer_norm", "post_attention_layernorm"))),
+]}
+ALL_MODELS: dict[str, TinyModel] = {**MODELS, **TP2_MODELS, **NEW_FAMILY_MODELS, **LAYOUT_30_MODELS}
 
 
 def hf_config(model: TinyModel):
@@ -123,6 +140,20 @@ def hf_config(model: TinyModel):
             hidden_size=64, num_hidden_layers=4, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=1,
             n_mamba_heads=8, chunk_size=16, intermediate_size=128, num_attention_heads=2, num_mem_blocks=1,
             max_position_embeddings=4096, **common), **model.config_args})
+    if model.family == "deepseek_v3":
+        # every layer dense (first_k_dense_replace = layers): MLA without the MoE
+        return t.DeepseekV3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                  num_key_value_heads=2, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+                                  qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=2, n_routed_experts=4,
+                                  num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=64,
+                                  num_nextn_predict_layers=0, max_position_embeddings=4096, **common)
+    if model.family == "olmo_hybrid":
+        return t.OlmoHybridConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
+                                  num_key_value_heads=2, linear_num_key_heads=1, linear_num_value_heads=1,
+                                  linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                                  linear_allow_neg_eigval=False,
+                                  layer_types=["linear_attention"] * 3 + ["full_attention"],
+                                  max_position_embeddings=4096, **common)
     raise ValueError(model.family)
 
 
@@ -143,12 +174,23 @@ def make(model: TinyModel, out: Path) -> Path:
             if parameter.dim() >= 2:
                 parameter.normal_(0.0, 0.05)
     net.save_pretrained(path, safe_serialization=True)
+    if model.weight_renames:
+        _rename_weights(path / "model.safetensors", model.weight_renames)
     if model.config_extra:
         config_path = path / "config.json"
         data = json.loads(config_path.read_text())
         data.update(model.config_extra)
         config_path.write_text(json.dumps(data, indent=2))
     return path
+
+
+def _rename_weights(path: Path, renames: tuple) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    for old, new in renames:
+        tensors = {name.replace(old, new): tensor for name, tensor in tensors.items()}
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def main(argv: list[str]) -> int:

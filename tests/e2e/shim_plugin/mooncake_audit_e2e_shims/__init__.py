@@ -8,6 +8,8 @@ Always (when ``MOONCAKE_AUDIT_E2E_SHIMS`` is not ``0``):
     (``num_prefill_checkpoint_blocks=1``): the block-boundary state is exported from inside one
     forward pass through ``return_intermediate_states``, which the CPU scan ignores. The shim
     sets it back to 0 so the scheduler splits the prefill at block boundaries instead.
+  - with ``MOONCAKE_AUDIT_E2E_OLMO_CPU=1``: OLMo Hybrid's GDN core on vLLM's CPU GDN op
+    (``olmo_hybrid_cpu``; its own kernels are Triton-only);
   - LMCache (``LMCacheConnectorV1``): a CPU connector between vLLM's CPU paged KV cache and
     LMCache's memory objects, installed once ``lmcache.v1.gpu_connector`` is imported
     (``lmcache_cpu``; nothing is imported from lmcache here).
@@ -31,6 +33,7 @@ from dataclasses import replace
 
 SHIMS_ENV = "MOONCAKE_AUDIT_E2E_SHIMS"
 BUG_ENV = "MOONCAKE_AUDIT_E2E_BUG_53084"
+OLMO_ENV = "MOONCAKE_AUDIT_E2E_OLMO_CPU"
 NEVER_A_BLOCK = -1  # what the worker's NULL_BLOCK_ID checks compare against with the bug put back
 
 logger = logging.getLogger("vllm.mooncake_audit_e2e_shims")
@@ -47,6 +50,10 @@ def register() -> None:
         from mooncake_audit_e2e_shims import lmcache_cpu
 
         lmcache_cpu.install_hook()
+        if _on(OLMO_ENV, "0"):
+            from mooncake_audit_e2e_shims import olmo_hybrid_cpu
+
+            olmo_hybrid_cpu.install()
     if _on(BUG_ENV, "0"):
         _reintroduce_53084()
 
