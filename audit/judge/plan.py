@@ -170,13 +170,15 @@ def load_layouts(*, model_configs=(), layout_files=(), model_name: str | None = 
                  state_dtype: str | None = None, ssm_dtype: str | None = None, block_size: int | None = None,
                  conv_layout: str = "SD", kv_cache_dtype: str | None = None,
                  kernel_block_size: int | None = None, platform: str | None = None,
-                 tp_given: bool = False, model_dtype: str | None = None) -> LayoutList:
+                 tp_given: bool = False, model_dtype: str | None = None,
+                 vllm_version: str | None = None) -> LayoutList:
     """Layouts from HuggingFace config.json files (model name: `model_name`, else the config's
     directory name, as vLLM puts the model path's basename in keys) and from layout files.
 
     Dtypes, block sizes and the platform left None follow vLLM's defaults and rules (see
     `audit.layouts.dtypes`); `CheckPlan.fit_sizes` may then infer them from the listed sizes.
-    `tp_given`: the operator said the TP size (otherwise other TP sizes are candidates too)."""
+    `tp_given`: the operator said the TP size (otherwise other TP sizes are candidates too);
+    `vllm_version`: the producer's release (otherwise 0.32's and 0.33's rules are candidates)."""
     from pathlib import Path
 
     from audit.layouts import load_hf_config, load_layout_file
@@ -190,7 +192,7 @@ def load_layouts(*, model_configs=(), layout_files=(), model_name: str | None = 
             request = LayoutRequest(load_hf_config(path), name, tp_size=tp_size, state_dtype=state_dtype,
                                     ssm_dtype=ssm_dtype, block_size=block_size, kernel_block_size=kernel_block_size,
                                     kv_cache_dtype=kv_cache_dtype, conv_layout=conv_layout, platform=platform,
-                                    tp_given=tp_given, model_dtype=model_dtype)
+                                    tp_given=tp_given, model_dtype=model_dtype, vllm_version=vllm_version)
             layouts += request.layouts()
             layouts.requests.append(request)
         for path in layout_files:

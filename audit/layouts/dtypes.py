@@ -23,9 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .model import LayoutError, canonical_dtype
-
-PLATFORMS = ("cuda", "cpu")
-DEFAULT_PLATFORM = "cuda"
+from .versions import DEFAULT_PLATFORM, base_platform
 
 # model_type -> the ssm dtype vLLM picks when --mamba-ssm-cache-dtype is not given
 _NEMOTRON_TYPES = ("nemotron_h",)
@@ -89,9 +87,8 @@ def resolve_dtypes(*, model_type: str, text: dict, config: dict | None = None,
                    model_dtype: str | None = None, conv_dtype: str | None = None,
                    ssm_dtype: str | None = None, kv_cache_dtype: str | None = None,
                    platform: str = DEFAULT_PLATFORM) -> Dtypes:
-    """vLLM's dtypes for a model; any argument given is the operator's flag and wins."""
-    if platform not in PLATFORMS:
-        raise LayoutError(f"platform {platform!r} is not one of {PLATFORMS}")
+    """vLLM's dtypes for a model; any argument given is the operator's flag and wins. ``platform``:
+    one of ``versions.PLATFORMS`` (the dtype rules tell only CPU from CUDA)."""
     why = []
     if model_dtype is None:
         saved = config_dtype(config if config is not None else text, text)
@@ -106,7 +103,7 @@ def resolve_dtypes(*, model_type: str, text: dict, config: dict | None = None,
         ssm_setting = _model_ssm_rule(model_type, text, config if config is not None else text)
         if ssm_setting is not None:
             why.append(f"ssm dtype {ssm_setting}: vLLM's rule for {model_type}")
-    if platform == "cpu" and ssm_setting != "float32":
+    if base_platform(platform) == "cpu" and ssm_setting != "float32":
         gdn = "linear_attention" in (text.get("layer_types") or ())
         if not (gdn and ssm_setting in ("float16", "bfloat16")):
             ssm_setting = "float32"

@@ -16,11 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .dtypes import DEFAULT_PLATFORM, resolve_dtypes
+from .dtypes import resolve_dtypes
 from .hybrid import ATTENTION, PLATFORM_BLOCKS, SLIDING, STATE, state_model_layouts
 from .model import LayoutError, Layout
 from .pages import AttentionShape
 from .states import gdn_states, linear_attention_states, mamba1_states, mamba2_states, short_conv_states
+from .serve_flags import version_refusal
+from .versions import DEFAULT_PLATFORM, DEFAULT_VLLM_VERSION, base_platform, prefill_checkpoint_alignment
 from .vllm_models import refusal
 
 
@@ -34,6 +36,7 @@ class _Options:
     conv_layout: str
     block_size: int | None
     kernel_block_size: int | None
+    checkpoint_alignment: int = 1  # the Mamba layers' prefill checkpoint alignment (vLLM 0.33)
 
 
 def load_hf_config(path: str | Path) -> dict:
@@ -89,7 +92,7 @@ def _layouts(config: dict, options: _Options, kind: str, states, layer_kinds,
     return state_model_layouts(
         model=options.model, kind=kind, tp_size=options.tp_size, layer_kinds=layer_kinds,
         states=states, attention=attention, block_size=options.block_size,
-        kernel_block_size=options.kernel_block_size)
+        kernel_block_size=options.kernel_block_size, checkpoint_alignment=options.checkpoint_alignment)
 
 
 # Names of layer kinds in configs: transformers 5 `layer_types` / `layers_block_type`, older
@@ -334,7 +337,8 @@ def _zamba2(config: dict, options: _Options) -> list[Layout]:
     kinds = [(layer, ATTENTION) for layer in hybrid] + [(layer, STATE) for layer in range(len(block_types))]
     return state_model_layouts(
         model=options.model, kind="mamba2", tp_size=options.tp_size, layer_kinds=kinds, states=states,
-        attention=attention, block_size=options.block_size, kernel_block_size=options.kernel_block_size)
+        attention=attention, block_size=options.block_size, kernel_block_size=options.kernel_block_size,
+        checkpoint_alignment=options.checkpoint_alignment)
 
 
 def _attention_kinds(config: dict, model_type: str) -> list[str | None]:
@@ -442,7 +446,7 @@ def layouts_from_hf_config(config: dict, *, model: str, tp_size: int = 1,
                            block_size: int | None = None, conv_layout: str = "SD",
                            kv_cache_dtype: str | None = None,
                            kernel_block_size: int | None = None, platform: str = DEFAULT_PLATFORM,
-                           model_dtype: str | None = None) -> list[Layout]:
+                           model_dtype: str | None = None, vllm_version: str | None = None) -> list[Layout]:
     """One Layout per KV-cache group, in vLLM's group order (``@group:g`` is list index g).
 
     ``model``: the model path or name; its basename is what vLLM puts in keys.
@@ -456,10 +460,13 @@ def layouts_from_hf_config(config: dict, *, model: str, tp_size: int = 1,
     ``kernel_block_size``: the attention backend's smallest kernel block, the alignment of a
     hybrid model's block (None: the platform's, 16 on CUDA and 32 on CPU; ROCm AITER 64; a
     hybrid with MLA attention aligns to 128 at least).
-    ``platform``: "cuda" or "cpu" (vLLM's CPU build forces float32 ssm states).
+    ``platform``: one of ``versions.PLATFORMS``: "cpu" (vLLM's CPU build forces float32 ssm states),
+    "sm90", "sm100", "sm120" (rules of those GPUs), "cuda" (a CUDA GPU none of their rules applies to).
+    ``vllm_version``: the producer's release, "0.32" or "0.33" (None: 0.32; ``audit.layouts.versions``).
     """
+    version = vllm_version or DEFAULT_VLLM_VERSION
     text, model_type = model_type_of(config)
-    reason = refusal([config.get("model_type"), model_type], _architectures(config))
+    reason = refusal([config.get("model_type"), model_type], _architectures(config), vllm_version)
     if reason is not None:
         raise LayoutError(f"model_type {config.get('model_type') or model_type!r} is not supported: {reason}; "
                           f"describe its values in a layout file instead")
@@ -476,13 +483,17 @@ def layouts_from_hf_config(config: dict, *, model: str, tp_size: int = 1,
     dtypes = resolve_dtypes(model_type=model_type or "", text=text, config=config,
                             model_dtype=model_dtype, conv_dtype=state_dtype, ssm_dtype=ssm_dtype,
                             kv_cache_dtype=kv_cache_dtype, platform=platform)
-    default_block, default_kernel = PLATFORM_BLOCKS[platform]
+    refused = version_refusal(version, dtypes.kv, dtypes.model)
+    if refused is not None:
+        raise LayoutError(refused)
+    default_block, default_kernel = PLATFORM_BLOCKS[base_platform(platform)]
     if builder is _mla:
         default_block = MLA_DEFAULT_BLOCK
     options = _Options(
         model=name, tp_size=tp_size, conv_dtype=dtypes.conv, ssm_dtype=dtypes.ssm, kv_dtype=dtypes.kv,
         conv_layout=conv_layout, block_size=default_block if block_size is None else block_size,
-        kernel_block_size=default_kernel if kernel_block_size is None else kernel_block_size)
+        kernel_block_size=default_kernel if kernel_block_size is None else kernel_block_size,
+        checkpoint_alignment=prefill_checkpoint_alignment(model_type, text, version, platform))
     if builder is None:
         return _attention_only(text, options, model_type or "")
     return builder(text, options)

@@ -14,11 +14,14 @@ Read from vLLM (see docs/layouts.md for the reasoning):
   ``align = max(kernel_block, configured block_size)`` (kernel_block: the attention backend's
   smallest kernel block: 16 for FlashAttention/FlashInfer on CUDA, 32 for CPU_ATTN, 64 for ROCm
   AITER; MLA attention raises the alignment to 128), rounded up to a multiple of the kernel
-  block, and the mamba page is padded to ``block_size * attention_bytes_per_token``.
+  block, and the mamba page is padded to ``block_size * attention_bytes_per_token``. From vLLM
+  0.33 ``align`` is also a multiple of the Mamba layers' prefill checkpoint alignment
+  (``audit.layouts.versions``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from .model import LayoutError, Layout, Segment, layer_segment_name
@@ -27,7 +30,7 @@ from .states import StateTensor, page_bytes
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's CUDA default for --block-size
 DEFAULT_KERNEL_BLOCK_SIZE = 16  # smallest kernel block of FlashAttention / FlashInfer on CUDA
-# per platform: (default --block-size, smallest attention kernel block)
+# per base platform (``versions.base_platform``): (default --block-size, smallest attention kernel block)
 PLATFORM_BLOCKS = {"cuda": (16, 16), "cpu": (128, 32)}
 MLA_HYBRID_ALIGNMENT = 128  # a hybrid with MLA attention: its block is a multiple of 128
 
@@ -42,19 +45,20 @@ def cdiv(numerator: int, denominator: int) -> int:
 
 def hybrid_block_size(state_page_bytes: int, attention_bytes_per_token: int,
                       block_size: int | None, kernel_block_size: int | None = None,
-                      latent: bool = False) -> int:
+                      latent: bool = False, checkpoint_alignment: int = 1) -> int:
     """Tokens per block after vLLM raises the attention block to fit one mamba page.
 
     ``block_size`` is vLLM's ``--block-size`` (None: its CUDA default, 16) or the value vLLM
     logged ("Setting attention block size to N tokens"); both give the same answer.
     ``kernel_block_size``: the attention backend's smallest kernel block (None: 16).
     ``latent``: the attention is MLA, whose decode kernels want the block a multiple of 128.
+    ``checkpoint_alignment``: the Mamba layers' prefill checkpoint alignment (vLLM 0.33; 1: none).
     """
     configured = DEFAULT_BLOCK_SIZE if block_size is None else block_size
     kernel = DEFAULT_KERNEL_BLOCK_SIZE if kernel_block_size is None else kernel_block_size
     if configured < 1 or kernel < 1:
         raise LayoutError(f"block sizes must be positive, got {configured} and kernel {kernel}")
-    align = max(kernel, configured, MLA_HYBRID_ALIGNMENT if latent else 0)
+    align = math.lcm(max(kernel, configured, MLA_HYBRID_ALIGNMENT if latent else 0), checkpoint_alignment)
     needed = align * cdiv(state_page_bytes, align * attention_bytes_per_token)
     needed = kernel * cdiv(needed, kernel)
     return max(configured, needed)
@@ -91,12 +95,12 @@ def _is_attention(kind: str) -> bool:
 def state_model_layouts(*, model: str, kind: str, tp_size: int,
                         layer_kinds: Sequence, states: tuple[StateTensor, ...] | None,
                         attention: AttentionShape | None, block_size: int | None,
-                        kernel_block_size: int | None) -> list[Layout]:
+                        kernel_block_size: int | None, checkpoint_alignment: int = 1) -> list[Layout]:
     """One Layout per KV-cache group: pure state, hybrid, or attention only (``states`` None).
 
     Attention only: ``block_size`` is the producer's ``--block-size`` (required: on CUDA vLLM
     defaults to 16, on CPU to 128). Hybrid: ``block_size`` is raised to fit a mamba page, with
-    ``kernel_block_size`` the backend's alignment.
+    ``kernel_block_size`` the backend's alignment and ``checkpoint_alignment`` the Mamba layers'.
     """
     groups = kv_cache_groups(layer_kinds)
     has_attention = any(_is_attention(group_kind) for group_kind, _ in groups)
@@ -107,7 +111,7 @@ def state_model_layouts(*, model: str, kind: str, tp_size: int,
         assert attention is not None, "a model with attention layers needs its attention shape"
         if has_state:
             tokens = hybrid_block_size(page_bytes(states), attention.bytes_per_token, block_size,
-                                       kernel_block_size, attention.latent)
+                                       kernel_block_size, attention.latent, checkpoint_alignment)
         else:
             tokens = DEFAULT_BLOCK_SIZE if block_size is None else block_size
         page = tokens * attention.bytes_per_token

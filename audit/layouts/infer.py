@@ -2,7 +2,8 @@
 
 The operator knows the model and, usually, its TP size; rarely the producer's platform and the
 dtypes vLLM resolved (CPU forces float32 ssm states, a float32 checkpoint may run in bfloat16 or
-float32, Nemotron-H and Qwen3.5 pick their own ssm dtype) or the block size vLLM defaulted to.
+float32, Nemotron-H and Qwen3.5 pick their own ssm dtype), the block size vLLM defaulted to, or the
+vLLM release and GPU whose rules raised it (``audit.layouts.versions``).
 Each of those gives a different value size, and one size often fits several of them: an attention
 page of ``b`` tokens in float32 has the bytes of ``2b`` tokens in bfloat16, and a hybrid's Mamba
 page is padded to the attention page. ``infer_layouts`` tries vLLM's candidates (the operator's
@@ -21,10 +22,11 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from .dtypes import PLATFORMS, resolve_dtypes
+from .dtypes import resolve_dtypes
 from .hf_config import layouts_from_hf_config, model_type_of
 from .hybrid import PLATFORM_BLOCKS
 from .model import LayoutError, Layout
+from .versions import CUDA_PLATFORMS, DEFAULT_PLATFORM, VLLM_VERSIONS, base_platform, cuda_platforms, rules_key
 
 MODEL_DTYPES = ("bfloat16", "float16", "float32")
 KERNEL_BLOCKS = (16, 32, 64)
@@ -47,15 +49,17 @@ class LayoutRequest:
     platform: str | None = None
     model_dtype: str | None = None
     tp_given: bool = False
+    vllm_version: str | None = None  # "0.32" or "0.33"; None: either
 
     @property
     def name(self) -> str:
         return self.model.rstrip("/").split("/")[-1]
 
     def settings(self) -> dict:
-        return {"tp_size": self.tp_size, "platform": self.platform or "cuda", "model_dtype": self.model_dtype,
+        return {"tp_size": self.tp_size, "platform": self.platform or DEFAULT_PLATFORM, "model_dtype": self.model_dtype,
                 "state_dtype": self.state_dtype, "ssm_dtype": self.ssm_dtype, "block_size": self.block_size,
-                "kernel_block_size": self.kernel_block_size, "kv_cache_dtype": self.kv_cache_dtype}
+                "kernel_block_size": self.kernel_block_size, "kv_cache_dtype": self.kv_cache_dtype,
+                "vllm_version": self.vllm_version}
 
     def layouts(self, **changes) -> list[Layout]:
         settings = {**self.settings(), **changes}
@@ -69,26 +73,68 @@ class LayoutRequest:
                                 model_dtype=settings["model_dtype"], conv_dtype=settings["state_dtype"],
                                 ssm_dtype=settings["ssm_dtype"], kv_cache_dtype=settings["kv_cache_dtype"],
                                 platform=settings["platform"])
-        block, kernel = PLATFORM_BLOCKS[settings["platform"]]
-        return {"platform": settings["platform"], "tp_size": settings["tp_size"], **dtypes.as_dict(),
-                "block_size": settings["block_size"] or block,
+        block, kernel = PLATFORM_BLOCKS[base_platform(settings["platform"])]
+        return {"platform": settings["platform"], "vllm_version": settings["vllm_version"],
+                "tp_size": settings["tp_size"], **dtypes.as_dict(), "block_size": settings["block_size"] or block,
                 "kernel_block_size": settings["kernel_block_size"] or kernel}
 
+    def variants(self, scope: str | None = None) -> list[list[dict]]:
+        """The (vLLM release, platform) pairs the request leaves open (within `scope`, a platform,
+        where the request names none), as changes, grouped by the rules they share (a group's
+        pairs give the same bytes); the first pair of all is vLLM 0.32 on CUDA, today's default."""
+        text, model_type = model_type_of(self.config)
+        groups: dict[tuple, list[dict]] = {}
+        for platform in cuda_platforms(self.platform or scope):
+            for version in (self.vllm_version,) if self.vllm_version else VLLM_VERSIONS:
+                key = rules_key(model_type, text, version, platform, self.kv_cache_dtype)
+                groups.setdefault(key, []).append({"vllm_version": version, "platform": platform})
+        return list(groups.values())
 
-def _candidates(request: LayoutRequest) -> Iterator[dict]:
-    """Changes to the request, most likely first; the first is no change at all."""
-    platforms = (request.platform,) if request.platform else PLATFORMS
+    def releases(self) -> list[tuple[str, list[Layout] | str]]:
+        """What each vLLM release the request leaves open registers (on a CUDA GPU unless it names
+        a platform), releases and GPUs that give the same bytes together: (who, layouts), or
+        (who, why that release refuses the request)."""
+        views: dict[tuple, list] = {}
+        for alike in self.variants("cuda"):
+            try:
+                layouts = self.layouts(**alike[0])
+                signature = tuple((layout.group, reading_signature(layout)) for layout in layouts)
+            except LayoutError as error:
+                layouts = signature = str(error)
+            views.setdefault(signature, [[], layouts])[0].extend(alike)
+        return [(_who(pairs), layouts) for pairs, layouts in views.values()]
+
+
+def _where(platforms: list[str]) -> str:
+    if set(CUDA_PLATFORMS) <= set(platforms):
+        return "any CUDA GPU"
+    return ", ".join("other CUDA GPUs" if platform == "cuda" else platform for platform in platforms)
+
+
+def _who(pairs: list[dict]) -> str:
+    """The (release, platform) pairs of one view, as ``vLLM 0.32 on any CUDA GPU; vLLM 0.33 on
+    other CUDA GPUs`` (``cuda``: a GPU none of the SM90+ rules applies to)."""
+    by_version: dict[str, list[str]] = {}
+    for pair in pairs:
+        by_version.setdefault(pair["vllm_version"], []).append(pair["platform"])
+    return "; ".join(f"vLLM {version} on {_where(platforms)}" for version, platforms in by_version.items())
+
+
+def _candidates(request: LayoutRequest) -> Iterator[list[dict]]:
+    """Changes to the request, most likely first, each with the changes that give the same bytes
+    (other vLLM releases and GPUs whose rules agree); the first is vLLM's defaults."""
+    variants = request.variants()
     model_dtypes = (request.model_dtype,) if request.model_dtype else (None, *MODEL_DTYPES)
     ssm_dtypes = (request.ssm_dtype,) if request.ssm_dtype else (None, "float32", *MODEL_DTYPES[:2])
     kernels = (request.kernel_block_size,) if request.kernel_block_size else (None, *KERNEL_BLOCKS)
     blocks = (request.block_size,) if request.block_size else (None, 16, 32, 64, 128, 256)
     tps = (request.tp_size,) + (() if request.tp_given else tuple(tp for tp in TP_SIZES if tp != request.tp_size))
     # vLLM's defaults before any flag: the block and kernel defaults (they follow the platform),
-    # then the dtype flags, each tried on every platform
-    for tp, block, kernel, model_dtype, ssm, platform in itertools.product(
-            tps, blocks, kernels, model_dtypes, ssm_dtypes, platforms):
-        yield {"tp_size": tp, "platform": platform or "cuda", "model_dtype": model_dtype, "ssm_dtype": ssm,
-               "kernel_block_size": kernel, "block_size": block}
+    # then the dtype flags, each tried on every platform and release
+    for tp, block, kernel, model_dtype, ssm, alike in itertools.product(
+            tps, blocks, kernels, model_dtypes, ssm_dtypes, variants):
+        yield [{"tp_size": tp, "model_dtype": model_dtype, "ssm_dtype": ssm, "kernel_block_size": kernel,
+                "block_size": block, **variant} for variant in alike]
 
 
 @dataclass
@@ -150,7 +196,8 @@ class Reading:
 SETTLING_FLAGS = (("model_dtype", "--dtype"), ("kv_dtype", "--kv-cache-dtype"),
                   ("conv_dtype", "--mamba-cache-dtype"), ("ssm_dtype", "--mamba-ssm-cache-dtype"),
                   ("block_size", "--block-size"), ("kernel_block_size", "--kernel-block-size"),
-                  ("tp_size", "--tensor-parallel-size"), ("platform", "--platform"))
+                  ("tp_size", "--tensor-parallel-size"), ("platform", "--platform"),
+                  ("vllm_version", "--vllm-version"))
 
 
 MANIFEST_FLAG = "--block-tables DIR (the recorder's manifest of what vLLM registered)"
@@ -182,10 +229,13 @@ class Inference:
 
 def _merged(settings: list[dict]) -> dict:
     """Settings that give identical bytes: each setting's value, or every value that would
-    (``"platform": ["cuda", "cpu"]`` when the bytes cannot say which platform wrote them)."""
+    (``"platform": ["cuda", "cpu"]`` when the bytes cannot say which platform wrote them; every
+    CUDA GPU is ``cuda``)."""
     merged = {}
     for name in settings[0]:
         values = list(dict.fromkeys(setting[name] for setting in settings))
+        if name == "platform" and set(CUDA_PLATFORMS) <= set(values):
+            values = list(dict.fromkeys("cuda" if value in CUDA_PLATFORMS else value for value in values))
         merged[name] = values[0] if len(values) == 1 else values
     return merged
 
@@ -195,28 +245,32 @@ def _fitting_candidates(request: LayoutRequest, sizes: dict[int, int], least_tp:
     likely first; score: how many groups' dominant sizes the layouts fit. TP sizes below
     `least_tp` (a key of that rank exists) are not candidates unless the operator gave one."""
     by_signature: dict[tuple, list] = {}
-    for count, changes in enumerate(_candidates(request)):
+    for count, alike in enumerate(_candidates(request)):
         if count >= limit:
             break
+        changes = alike[0]
         if not request.tp_given and changes["tp_size"] < least_tp:
             continue
         if request.block_size is None:
-            changes = _attention_block_fit(request, changes, sizes) or changes
+            fitted = _attention_block_fit(request, changes, sizes)
+            if fitted is not None:
+                alike = [{**variant, "block_size": fitted["block_size"]} for variant in alike]
+                changes = alike[0]
         try:
             layouts = request.layouts(**changes)
         except LayoutError:
             continue
         signature = tuple((layout.group, reading_signature(layout)) for layout in layouts)
         if signature in by_signature:
-            by_signature[signature][0].append(changes)
+            by_signature[signature][0].extend(alike)
             continue
         score = sum(1 for layout in layouts if sizes.get(layout.group) == layout.size)
-        by_signature[signature] = [[changes], layouts, score]
+        by_signature[signature] = [list(alike), layouts, score]
     return list(by_signature.values())
 
 
 def infer_layouts(request: LayoutRequest, observed: dict[tuple[str, int], GroupSizes],
-                  limit: int = 4000) -> Inference:
+                  limit: int = 6000) -> Inference:
     """The layouts to judge ``request.model``'s keys with: every reading that fits, per group."""
     sizes = {group: seen.dominant for (model, group), seen in observed.items() if model == request.name}
     try:

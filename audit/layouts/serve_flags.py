@@ -71,3 +71,13 @@ def read_serve_config(path: Path) -> ServeFlags:
             continue
         values[name] = _as_int(str(key), value) if name in ("block_size", "tp_size") else str(value)
     return ServeFlags.given(**values)
+
+
+def version_refusal(version: str, kv_cache_dtype: str | None, model_dtype: str) -> str | None:
+    """Why vLLM ``version`` refuses to start with these dtypes (None: it starts). 0.33's
+    ``VllmConfig._reject_mismatched_float_kv_cache``: an explicit float16/bfloat16 KV cache unlike
+    the model dtype (0.32 served it, casting the cache)."""
+    if version == "0.32" or kv_cache_dtype not in ("float16", "bfloat16") or kv_cache_dtype == model_dtype:
+        return None
+    return (f"vLLM {version} refuses --kv-cache-dtype {kv_cache_dtype} with model dtype {model_dtype} "
+            f"(it takes auto or the model dtype); no producer of that release wrote these values")

