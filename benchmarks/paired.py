@@ -64,7 +64,33 @@ def run(argv: list[str], env: dict, cwd: Path) -> dict:
     code = os.waitstatus_to_exitcode(status)
     if code not in (0, 1, 3):
         raise RuntimeError(f"{' '.join(argv[:4])} exited {code}: {stderr[-800:]}")
-    return {"wall": wall, "cpu": usage.ru_utime + usage.ru_stime, "rss_mib": usage.ru_maxrss / 1024, "code": code}
+    return {"wall": wall, "cpu": usage.ru_utime + usage.ru_stime, "rss_mib": usage.ru_maxrss / 1024, "code": code,
+            "stderr": stderr}
+
+
+def checkout_before(given: Path | None, scratch: Path) -> Path:
+    """The "before" checkout: `given`, else HEAD exported with `git archive` into `scratch`."""
+    if given is not None:
+        return given.resolve()
+    before = scratch / "before"
+    before.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "HEAD"], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(before)], input=archive.stdout, check=True)
+    return before.resolve()
+
+
+def child_env() -> dict:
+    """The measured processes' environment: no audit settings of this shell's, bytecode cached."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_AUDIT_")}
+    env.pop("MOONCAKE_CONFIG_PATH", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # both checkouts run from cached bytecode
+    env["BENCH_ROOT"] = str(ROOT)
+    return env
+
+
+def connection_flags(cluster) -> list[str]:
+    """The CLI's flags for a `LocalCluster`."""
+    return ["--master", cluster.master_address, "--metadata", cluster.metadata_url, "--admin", cluster.admin_url]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,10 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="mooncake-bench-paired-") as scratch_name, \
             LocalCluster(holders=1, segment_mb=segment) as cluster:
         scratch = Path(scratch_name)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_AUDIT_")}
-        env.pop("MOONCAKE_CONFIG_PATH", None)
-        env.pop("PYTHONDONTWRITEBYTECODE", None)  # both checkouts run from cached bytecode
-        env["BENCH_ROOT"] = str(ROOT)
+        env = child_env()
         cluster_args = [cluster.admin_url, cluster.master_address, cluster.metadata_url]
         layout: list[str] = []
         if args.store == "small" and args.keys:
@@ -119,15 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             layout = ["--model-config", str(config), "-tp", "2"]
         fetch = scratch / "fetch.py"
         fetch.write_text(processes.FETCH_ONLY)
-        before = args.repo_before
-        if before is None:
-            before = scratch / "before"
-            before.mkdir()
-            archive = subprocess.run(["git", "-C", str(ROOT), "archive", "HEAD"], capture_output=True, check=True)
-            subprocess.run(["tar", "-x", "-C", str(before)], input=archive.stdout, check=True)
-        repos = {"before": before.resolve(), "after": args.repo_after.resolve()}
-        connection = ["--master", cluster.master_address, "--metadata", cluster.metadata_url, "--admin",
-                      cluster.admin_url]
+        repos = {"before": checkout_before(args.repo_before, scratch), "after": args.repo_after.resolve()}
+        connection = connection_flags(cluster)
         neutral = scratch / "cwd"
         neutral.mkdir()
 

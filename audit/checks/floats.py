@@ -45,9 +45,13 @@ class Screen:
     unsigned_min: int
     signed_min: int
 
+    def fires(self, maxima: tuple[int, int]) -> bool:
+        """`any` from the bytes' `element_maxima`."""
+        return maxima[0] >= self.unsigned_min or maxima[1] >= self.signed_min
+
     def any(self, data: np.ndarray) -> bool:
         """Whether the bytes hold a NaN or Inf (trailing bytes that do not fill an element are
-        ignored, as `count_nonfinite` ignores them)."""
+        ignored, as `count_nonfinite` ignores them). `fires_any` is this test for several dtypes."""
         if data.nbytes % self.itemsize:
             data = data[: data.nbytes - data.nbytes % self.itemsize]
         words = data.view(self.unsigned)
@@ -57,6 +61,37 @@ class Screen:
 
 
 _max = np.maximum.reduce
+
+
+def fires_any(data: np.ndarray, screens: tuple[Screen, ...]) -> bool:
+    """Whether the bytes hold a NaN or Inf under any of `screens`, dtypes of one width: float16 and
+    bfloat16 words have the same two maxima and differ only in their thresholds, so the bytes are
+    reduced once (and the signed maximum only when no unsigned one fires) for all of them."""
+    first = screens[0]
+    if data.nbytes % first.itemsize:
+        data = data[: data.nbytes - data.nbytes % first.itemsize]
+    words = data.view(first.unsigned)
+    if not words.size:
+        return False
+    top = _max(words)
+    if any(top >= screen.unsigned_min for screen in screens):
+        return True
+    top = _max(words.view(first.signed))
+    return any(top >= screen.signed_min for screen in screens)
+
+
+_NO_ELEMENTS = (-1, -(1 << 63))  # no element: nothing fires
+
+
+def element_maxima(data: np.ndarray, itemsize: int) -> tuple[int, int]:
+    """The unsigned and signed maxima of the bytes' ``itemsize``-byte elements (trailing bytes that
+    do not fill one ignored): `Screen.fires` of every dtype of that width from one reduction each."""
+    if data.nbytes % itemsize:
+        data = data[: data.nbytes - data.nbytes % itemsize]
+    words = data.view(_UINT[itemsize])
+    if not words.size:
+        return _NO_ELEMENTS
+    return int(_max(words)), int(_max(words.view(_INT[itemsize])))
 
 
 def _screen(bits: FloatBits) -> Screen:

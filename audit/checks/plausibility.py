@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
-from audit.checks.floats import decode_floats
+from audit.checks.floats import FLOAT_DTYPES, decode_floats
 
 SANE_MAGNITUDE = (2.0 ** -40, 2.0 ** 40)  # far wider than any activation, KV or state value
 # The share of uniformly random 16-bit patterns that are zero or a sane bfloat16 (exponent field
@@ -59,11 +60,26 @@ def _pairs_beyond_chance(words: np.ndarray) -> int:
     return max(0, pair_like - int(chance))
 
 
-def region_plausibility(data: np.ndarray, kind: str, dtype: str) -> Plausibility:
-    """One region's bytes (uint8) read as `dtype`: padding must be zero, numbers sane."""
+def region_plausibility(data: np.ndarray, kind: str, dtype: str, histograms: dict | None = None) -> Plausibility:
+    """One region's bytes (uint8) read as `dtype`: padding must be zero, numbers sane. A 1- or
+    2-byte float dtype is judged from the histogram of the region's bit patterns (`histograms`:
+    (width, bytes) -> its histogram, for dtypes of one width to share): the same counts as
+    decoding every number, in one pass over the bytes."""
     if kind == "padding":
         nonzero = int(np.count_nonzero(data))
         return Plausibility(nonzero, nonzero)
+    if dtype in _PATTERN_WIDTHS:
+        width = _PATTERN_WIDTHS[dtype]
+        key = (width, data.ctypes.data, data.nbytes)
+        histogram = None if histograms is None else histograms.get(key)
+        if histogram is None:
+            words = data[: data.nbytes - data.nbytes % width].view(_WORDS[width])
+            histogram = np.bincount(words, minlength=1 << (8 * width))
+            if histograms is not None:
+                histograms[key] = histogram
+        nonzero, implausible = _pattern_tables(dtype)
+        weight = data.nbytes // max(data.nbytes // width, 1)  # bytes per number, a trailing part included
+        return Plausibility(int(histogram @ nonzero) * weight, int(histogram @ implausible) * weight)
     values = decode_floats(data, dtype)
     if values is None:  # raw bytes: only the readings' other regions tell them apart
         return Plausibility()
@@ -75,9 +91,34 @@ def region_plausibility(data: np.ndarray, kind: str, dtype: str) -> Plausibility
     return Plausibility(nonzero.size * width, implausible * width)
 
 
-def value_plausibility(data: np.ndarray, layout) -> Plausibility:
-    """A whole value (uint8, the layout's size) read the layout's way."""
-    total = Plausibility()
-    for _, region in layout.regions():
-        total += region_plausibility(data[region.offset: region.offset + region.length], region.kind, region.dtype)
-    return total
+_PATTERN_WIDTHS = {name: bits.itemsize for name, bits in FLOAT_DTYPES.items() if bits.itemsize <= 2}
+_WORDS = {1: np.uint8, 2: np.uint16}
+
+
+@lru_cache(maxsize=None)
+def _pattern_tables(dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per bit pattern of a 1- or 2-byte float dtype, decoded as `region_plausibility` decodes
+    numbers: 1 where it is a non-zero number, and where it is non-zero but implausible."""
+    width = _PATTERN_WIDTHS[dtype]
+    values = decode_floats(np.arange(1 << (8 * width), dtype=_WORDS[width]).view(np.uint8), dtype)
+    nonzero = values != 0
+    return nonzero.astype(np.int64), (nonzero & ~_sane(values)).astype(np.int64)
+
+
+def readings_plausibility(data: np.ndarray, layouts) -> list[Plausibility]:
+    """A whole value (uint8, the layouts' size) read each of `layouts`' ways: a region that several
+    readings cut and type alike (bfloat16 against float16 readings share their padding, and each
+    dtype's regions) is judged once for all of them, and its bit patterns counted once per width."""
+    seen: dict[tuple, Plausibility] = {}
+    histograms: dict[tuple, np.ndarray] = {}
+    totals = []
+    for layout in layouts:
+        total = Plausibility()
+        for _, region in layout.regions():
+            key = (region.offset, region.length, region.kind, region.dtype)
+            if key not in seen:
+                seen[key] = region_plausibility(data[region.offset: region.offset + region.length], region.kind,
+                                                region.dtype, histograms)
+            total += seen[key]
+        totals.append(total)
+    return totals

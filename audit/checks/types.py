@@ -48,3 +48,23 @@ def fast_constructor(cls, names: tuple[str, ...]):
 
 
 make_region_check = fast_constructor(RegionCheck, ("xxh3", "zero", "nan", "inf"))
+
+
+class ByIdentity:
+    """What `make(objects)` derives from a tuple of objects (a value's layouts), computed once: keyed
+    by their ids, and held with them so that an id reused by another object never answers for it;
+    cleared when `limit` tuples are held."""
+
+    def __init__(self, make, limit: int = 64):
+        self._make = make
+        self._limit = limit
+        self._held: dict[tuple, tuple] = {}
+
+    def get(self, objects: tuple):
+        key = tuple(map(id, objects))
+        entry = self._held.get(key)
+        if entry is None or any(held is not given for held, given in zip(entry[0], objects)):
+            if len(self._held) >= self._limit:
+                self._held.clear()
+            entry = self._held[key] = (objects, self._make(objects))
+        return entry[1]

@@ -16,6 +16,7 @@ from __future__ import annotations
 from audit.blocktables import BlockTableEntry
 from audit.checks.host import ValueCheck
 from audit.errors import ERROR_NAMES, MOVED
+from audit.judge.readings import combine_readings
 from audit.keys import parse_key
 from audit.producers import probe_of
 from audit.records import KeyInfo, KeyRecord, Verdict
@@ -47,8 +48,14 @@ def _region_rows(layout, check: ValueCheck) -> list[dict]:
     ]
 
 
+def _flagged(check: ValueCheck) -> bool:
+    """Whether some region is all zero or holds a NaN or Inf: the only results a layout's verdicts
+    rest on."""
+    return any(result.zero or result.nan or result.inf for result in check.regions)
+
+
 def _judge_layout(record: KeyRecord, layout, check: ValueCheck) -> None:
-    if not any(result.zero or result.nan or result.inf for result in check.regions):
+    if not _flagged(check):
         return  # the common case: every region holds non-zero, finite values
     per_segment: dict[int, list[bool]] = {}
     nonfinite = []
@@ -121,6 +128,21 @@ def judge_read(key: KeyInfo, code: int, check: ValueCheck | None, *, layout=None
     if record.verdicts and record.fields is None:
         record.fields = parse_key(record.key)
     return record
+
+
+def judge_readings(record: KeyRecord, key: KeyInfo, code: int, checks: tuple[ValueCheck, ...], layouts: tuple,
+                   table: BlockTableEntry | None = None) -> KeyRecord:
+    """`record` (the key judged under `layouts[0]` with `checks[0]`) left with only the verdicts
+    every reading in `layouts` gives (`checks`: one per reading, from one pass over the bytes).
+    Where no reading finds a zero, NaN or Inf region, the layout adds no verdict under any of them,
+    so one other reading's record stands for all of them."""
+    others = list(zip(checks[1:], layouts[1:]))
+    if not any(map(_flagged, checks)):
+        check, layout = others[0]
+        alternatives = [judge_read(key, code, check, layout=layout, table=table)] * len(others)
+    else:
+        alternatives = [judge_read(key, code, check, layout=layout, table=table) for check, layout in others]
+    return combine_readings(record, alternatives)
 
 
 def apply_block_table(record: KeyRecord, table: BlockTableEntry | None) -> None:

@@ -29,6 +29,7 @@ class CheckPlan:
     readings: dict = field(default_factory=dict)  # (model, group) -> its Readings, while undecided
     manifests: ProducerManifests | None = None  # the producer's own layouts (use_manifests)
     _cache: dict = field(default_factory=dict, repr=False)
+    _readings_of: dict = field(default_factory=dict, repr=False)  # id(layout) -> (layout, readings, tuple)
 
     def __post_init__(self) -> None:
         if not self.requests:
@@ -40,7 +41,8 @@ class CheckPlan:
         group, among vLLM's candidate dtypes, platforms, block sizes and TP sizes), before the
         scan; returns (and keeps in ``inference``) one row per (model, group) for the report.
         Groups whose size fits several readings keep them all in ``readings`` until
-        `decide_readings` picks one; until then each key is judged under every one of them."""
+        `decide_readings` picks one; until then each key is judged under every one of them
+        (`readings_of`), its bytes checked once for all."""
         observed = observed_sizes(keys)
         rows: list[dict] = [] if self.manifests is None else self.manifests.rows(observed)
         if not self.requests:
@@ -122,12 +124,16 @@ class CheckPlan:
                         for old in self.layouts]
         self._cache.clear()
 
-    def other_readings(self, layout: Layout | None) -> list[Layout]:
-        """The layouts besides `layout` that the key's undecided group may be read with."""
-        if layout is None or not self.readings:
-            return []
-        readings = self.readings.get((layout.model, layout.group), ())
-        return [reading.layout for reading in readings if reading.layout is not layout]
+    def readings_of(self, layout: Layout) -> tuple[Layout, ...]:
+        """`layout`, then the other layouts its undecided group may be read with: one tuple per
+        group and decision, the same object for every key of the group (a checker keys its
+        plans and its runs of like values on it)."""
+        readings = self.readings.get((layout.model, layout.group)) if self.readings else None
+        entry = self._readings_of.get(id(layout))
+        if entry is None or entry[0] is not layout or entry[1] is not readings:
+            others = [reading.layout for reading in readings or () if reading.layout is not layout]
+            entry = self._readings_of[id(layout)] = (layout, readings, (layout, *others))
+        return entry[2]
 
     def _check_unique(self) -> None:
         seen = set()

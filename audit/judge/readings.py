@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from audit.checks.plausibility import Plausibility, value_plausibility
+from audit.checks.plausibility import Plausibility, readings_plausibility
 from audit.records import KeyRecord, Verdict
 
 MARGIN = 0.05  # the winner's plausible share must beat every other reading's by this much
@@ -42,7 +42,7 @@ def choose_reading(layouts: list, values: list) -> tuple[list[int], dict]:
     plausible share of each reading kept, in the order returned."""
     totals = [Plausibility() for _ in layouts]
     for value in values:
-        totals = [total + value_plausibility(value, layout) for total, layout in zip(totals, layouts)]
+        totals = [total + found for total, found in zip(totals, readings_plausibility(value, layouts))]
     scores = [total.score for total in totals]
     evidence = {"keys_sampled": len(values), "readings_considered": len(layouts)}
     if any(score is None for score in scores):

@@ -48,16 +48,22 @@ def make_reader(settings: Settings, admin: AdminClient, store, keys: list[KeyInf
     return PeekReader(settings, admin, buffer_bytes(keys, options), transfer() if callable(transfer) else transfer)
 
 
+SAMPLE_BATCH_KEYS = 8  # samples read per batch: they are copied out at once, so a small buffer serves
+
+
 def read_values(settings: Settings, admin: AdminClient, store, keys: list[KeyInfo], options: ScanOptions,
                 transfer=None) -> dict:
     """A few keys' bytes, copied to host memory (name -> uint8 array): the samples that choose an
-    ambiguous group's reading before the scan. Keys that fail to read are left out."""
+    ambiguous group's reading before the scan. Keys that fail to read are left out. The reader's
+    buffer holds a few of them, not all (16 per ambiguous group of 1.6 MB values would register
+    and touch a few hundred MB only to copy them out)."""
     import numpy as np
 
     from audit.readers.buffers import plan_batches
 
     values = {}
-    reader = make_reader(settings, admin, store, keys, options, transfer)
+    largest = sorted(keys, key=lambda key: -(key.size or 0))[:SAMPLE_BATCH_KEYS]
+    reader = make_reader(settings, admin, store, largest, options, transfer)
     try:
         for turn, slots in enumerate(plan_batches(keys, reader.capacity)):
             batch = reader.fetch(slots, turn)

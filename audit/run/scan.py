@@ -16,16 +16,16 @@ import numpy as np
 
 from audit.producers import SCREEN_BYTES, describe_themselves
 from audit.readers.buffers import FetchedBatch, plan_batches
-from audit.judge.key import judge_read
+from audit.judge.key import judge_read, judge_readings
 from audit.judge.plan import CheckPlan
-from audit.judge.readings import combine_readings
 from audit.judge.values import judge_reading, may_be_configured, model_configs, value_reading
 from audit.readers.replicas import judge_replicas
 from audit.records import KeyInfo, KeyRecord
 
 
 def check_batch(batch: FetchedBatch, checker, plan: CheckPlan, evidence=None) -> list[KeyRecord]:
-    """Judge every key of a fetched batch; values read whole are checked in one checker call.
+    """Judge every key of a fetched batch; values read whole are checked in one checker call,
+    every reading of a value whose reading is undecided in the same pass over its bytes.
     `evidence` (an EvidenceStore) sees each value while its bytes are still in the buffer."""
     try:
         layouts = [plan.layout_for(slot.key) for slot in batch.slots]
@@ -34,15 +34,17 @@ def check_batch(batch: FetchedBatch, checker, plan: CheckPlan, evidence=None) ->
         described = _described(batch, readable, plan)
         for i, (_, reading) in described.items():
             layouts[i] = reading.layout  # the value's own description, checked against its size
-        checks = _check(batch, checker, readable, layouts)
+        readings = _open_readings(batch, plan, readable, layouts, described)
+        checks, every_reading = _check(batch, checker, readable, layouts, readings)
         records = [judge_read(slot.key, code, checks.get(i), layout=layouts[i], table=plan.table_entry(slot.key),
                               keep_regions=plan.keep_regions)
                    for i, (slot, code) in enumerate(zip(batch.slots, batch.results))]
         for i, (fields, reading) in described.items():
             judge_reading(records[i], fields, reading, keep=plan.keep_regions)
-        others = {i: plan.other_readings(layouts[i]) for i in readable} if plan.readings else {}
-        others.update((i, list(reading.alternatives)) for i, (_, reading) in described.items())
-        _judge_other_readings(batch, checker, plan, others, layouts, records)
+        for i, layouts_of in readings.items():
+            slot = batch.slots[i]
+            records[i] = judge_readings(records[i], slot.key, batch.results[i], every_reading[i], layouts_of,
+                                        plan.table_entry(slot.key))
         if batch.replicas is not None:  # a peek read: every replica's digest
             for record, rows in zip(records, batch.replicas):
                 judge_replicas(record, rows)
@@ -53,6 +55,21 @@ def check_batch(batch: FetchedBatch, checker, plan: CheckPlan, evidence=None) ->
         return records
     finally:
         batch.release()
+
+
+def _open_readings(batch: FetchedBatch, plan: CheckPlan, indexes: list[int], layouts: list,
+                   described: dict) -> dict[int, tuple]:
+    """The values at `indexes` whose reading is undecided (their group's, or their own value's):
+    index -> every layout they may be read with, the one they are judged by first."""
+    readings = {}
+    if plan.readings:
+        for i in indexes:
+            if layouts[i] is not None and i not in described:
+                readings[i] = plan.readings_of(layouts[i])
+    for i, (_, reading) in described.items():
+        readings[i] = (reading.layout, *reading.alternatives)
+    return {i: layouts_of for i, layouts_of in readings.items()
+            if len(layouts_of) > 1 and all(layout.size == batch.slots[i].key.size for layout in layouts_of)}
 
 
 def _described(batch: FetchedBatch, indexes: list[int], plan: CheckPlan | None = None) -> dict:
@@ -78,35 +95,24 @@ def _described(batch: FetchedBatch, indexes: list[int], plan: CheckPlan | None =
     return described
 
 
-def _check(batch: FetchedBatch, checker, indexes: list[int], layouts: list) -> dict:
-    """Check the values at `indexes`, each with its layout where the layout fits its size."""
+def _check(batch: FetchedBatch, checker, indexes: list[int], layouts: list,
+           readings: dict[int, tuple]) -> tuple[dict, dict]:
+    """Check the values at `indexes`, each with its layout where the layout fits its size, and
+    those in `readings` (index -> layouts) with every one of their layouts in the same pass:
+    index -> its check, and index -> one check per layout of `readings`."""
     items = []
     for i in indexes:
         slot, layout = batch.slots[i], layouts[i]
         fits = layout if layout is not None and layout.size == slot.key.size else None
         items.append((slot.offset, slot.key.size, fits))
-    return dict(zip(indexes, checker.check_values(batch.buffer.array, items)))
-
-
-def _judge_other_readings(batch: FetchedBatch, checker, plan: CheckPlan, others: dict[int, list], layouts: list,
-                          records: list[KeyRecord]) -> None:
-    """Keys whose reading is undecided (their group's, or their own value's: `others`, index ->
-    the other readings): judged again under each other reading, and left with only the verdicts
-    every reading gives."""
-    others = {i: rest for i, rest in others.items()
-              if rest and layouts[i] is not None and layouts[i].size == batch.slots[i].key.size}
-    judged: dict[int, list[KeyRecord]] = {i: [] for i in others}
-    for turn in range(max(map(len, others.values()), default=0)):
-        indexes = [i for i, rest in others.items() if turn < len(rest)]
-        alternative = [others[i][turn] if i in others and turn < len(others[i]) else None
-                       for i in range(len(batch.slots))]
-        checks = _check(batch, checker, indexes, alternative)
-        for i in indexes:
-            slot = batch.slots[i]
-            judged[i].append(judge_read(slot.key, batch.results[i], checks[i], layout=alternative[i],
-                                        table=plan.table_entry(slot.key)))
-    for i, alternatives in judged.items():
-        records[i] = combine_readings(records[i], alternatives)
+    if not readings:
+        return dict(zip(indexes, checker.check_values(batch.buffer.array, items))), {}
+    alone: dict[int, tuple] = {}  # one tuple per layout, so like values still run together
+    items = [(offset, size, readings[i] if i in readings else
+              alone.setdefault(id(fits), (fits,)) if fits is not None else ())
+             for i, (offset, size, fits) in zip(indexes, items)]
+    checked = dict(zip(indexes, checker.check_readings(batch.buffer.array, items)))
+    return {i: checks[0] for i, checks in checked.items()}, {i: checked[i] for i in readings}
 
 
 def scan_keys(keys: Sequence[KeyInfo], reader, checker, plan: CheckPlan | None = None, *,

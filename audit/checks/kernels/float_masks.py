@@ -8,7 +8,12 @@ float never includes the sign bit, so it qualifies.
 
 from __future__ import annotations
 
+import numpy as np
+
 from audit.checks.floats import FLOAT_DTYPES
+
+# The columns of `mask_table`, as the kernel reads them.
+MASK_FIELDS = ("SPECIAL_MASK", "MANTISSA_MASK", "LOW_MASK", "TOP_BITS", "ONES", "ELEMENT_BITS")
 
 
 def _replicate(element_value: int, element_bits: int) -> int:
@@ -16,7 +21,7 @@ def _replicate(element_value: int, element_bits: int) -> int:
 
 
 def float_word_masks(dtype: str) -> dict[str, int]:
-    """Kernel constexprs for ``dtype``; ELEMENT_BITS 0 means "no NaN/Inf check"."""
+    """The masks for ``dtype``; ELEMENT_BITS 0 means "no NaN/Inf check"."""
     bits = FLOAT_DTYPES.get(dtype)
     if bits is None:
         return dict(ELEMENT_BITS=0, SPECIAL_MASK=0, MANTISSA_MASK=0, LOW_MASK=0, TOP_BITS=0, ONES=0)
@@ -34,3 +39,14 @@ def float_word_masks(dtype: str) -> dict[str, int]:
         TOP_BITS=_replicate(top, width),
         ONES=_replicate(1, width),
     )
+
+
+def mask_table(dtypes: tuple[str, ...], rows: int) -> np.ndarray:
+    """The kernel's [rows, MASK_FIELDS] int64 masks: one row per dtype in `dtypes` (each a float
+    dtype), then rows that count nothing (all masks 0 over 8-bit elements: nothing is special)."""
+    table = np.zeros((rows, len(MASK_FIELDS)), np.uint64)
+    table[:, MASK_FIELDS.index("ELEMENT_BITS")] = 8
+    for row, dtype in enumerate(dtypes):
+        masks = float_word_masks(dtype)
+        table[row] = [masks[name] for name in MASK_FIELDS]
+    return table.view(np.int64)

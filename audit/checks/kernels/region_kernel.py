@@ -15,6 +15,11 @@ Design:
   adjacent lanes done once per block sum, not per stripe.
 - The zero flag is an OR over all words, tested once at the end; NaN/Inf counts use word-replicated
   masks (see ``float_masks``) so every element in a word is tested at once.
+- One launch counts for every float dtype the region may be read as (READINGS of them: bfloat16
+  and float16 when a value's dtype is undecided): the masks are a [READINGS] vector against each
+  loaded word, so the bytes are read and hashed once for all readings. Per reading two counts come
+  back: elements special with a non-zero mantissa, and the other special ones (NaN and Inf where
+  the dtype has Inf; for e4m3fn, whose mantissa mask is 0, every special one is in the second).
 - Only lengths > 240 that are multiples of 8 at 8-aligned addresses come here; the caller hashes the
   rest on the host (XXH3's short and medium algorithms are different functions).
 """
@@ -25,6 +30,7 @@ import triton
 import triton.language as tl
 
 from audit.checks.kernels import xxh3_constants as xc
+from audit.checks.kernels.float_masks import MASK_FIELDS
 
 _LANES = tl.constexpr(xc.LANES)
 _STRIPES_PER_BLOCK = tl.constexpr(xc.STRIPES_PER_BLOCK)
@@ -40,6 +46,13 @@ _INITIAL_ACCUMULATORS = tl.constexpr(xc.INITIAL_ACCUMULATORS)
 _PRIME32_1 = tl.constexpr(xc.PRIME32_1)
 _PRIME64_1 = tl.constexpr(xc.PRIME64_1)
 _PRIME_MX1 = tl.constexpr(xc.PRIME_MX1)
+_MASK_FIELDS = tl.constexpr(len(MASK_FIELDS))
+_SPECIAL = tl.constexpr(MASK_FIELDS.index("SPECIAL_MASK"))
+_MANTISSA = tl.constexpr(MASK_FIELDS.index("MANTISSA_MASK"))
+_LOW = tl.constexpr(MASK_FIELDS.index("LOW_MASK"))
+_TOP = tl.constexpr(MASK_FIELDS.index("TOP_BITS"))
+_ONES = tl.constexpr(MASK_FIELDS.index("ONES"))
+_ELEMENT_BITS = tl.constexpr(MASK_FIELDS.index("ELEMENT_BITS"))
 
 
 @triton.jit
@@ -58,9 +71,9 @@ def _stripe_products(words, keys):
 
 
 @triton.jit
-def _count_flagged(flags, ELEMENT_BITS: tl.constexpr, ONES: tl.constexpr):
+def _count_flagged(flags, element_bits, ones):
     """Per word, how many elements have their top bit set in ``flags`` (at most 8, no overflow)."""
-    return ((flags >> (ELEMENT_BITS - 1)) * ONES) >> (64 - ELEMENT_BITS)
+    return ((flags >> (element_bits - 1)) * ones) >> (64 - element_bits)
 
 
 @triton.jit
@@ -69,14 +82,12 @@ def region_check_kernel(
     offsets_ptr,  # *i64: region start, in bytes (8-aligned address)
     lengths_ptr,  # *i64: region length, in bytes (> 240, multiple of 8)
     secret_ptr,  # *i64: xxh3_constants.secret_table()
-    out_ptr,  # *i64 [regions, 4]: xxh3 bits, all-zero flag, NaN count, Inf count
+    masks_ptr,  # *i64 [READINGS, MASK_FIELDS]: float_masks.mask_table() of the dtypes counted
+    out_ptr,  # *i64 [regions, out_stride]: xxh3 bits, all-zero flag, then two counts per reading
+    out_stride,  # i64: elements per row of out (at least 2 + 2 * READINGS)
     BLOCKS_PER_STEP: tl.constexpr,
-    ELEMENT_BITS: tl.constexpr,  # float element width; 0 skips the NaN/Inf check
-    SPECIAL_MASK: tl.constexpr,
-    MANTISSA_MASK: tl.constexpr,  # 0: the dtype has no Inf
-    LOW_MASK: tl.constexpr,
-    TOP_BITS: tl.constexpr,
-    ONES: tl.constexpr,
+    READINGS: tl.constexpr,  # float dtypes counted, a power of two (rows of masks_ptr)
+    COUNT: tl.constexpr,  # False: no float dtype, no NaN/Inf work (counts stay 0)
 ):
     region = tl.program_id(0)
     length = tl.load(lengths_ptr + region)
@@ -97,25 +108,33 @@ def region_check_kernel(
     scramble_keys = tl.load(secret_ptr + _SCRAMBLE_KEYS + lane_1d).to(tl.uint64, bitcast=True)
     acc = tl.load(secret_ptr + _INITIAL_ACCUMULATORS + lane_1d).to(tl.uint64, bitcast=True)
 
+    # One column per reading: every loaded word is tested against each dtype's masks at once.
+    reading = tl.arange(0, READINGS)
+    mask_row = masks_ptr + reading[None, None, None, :] * _MASK_FIELDS
+    special_mask = tl.load(mask_row + _SPECIAL).to(tl.uint64, bitcast=True)
+    mantissa_mask = tl.load(mask_row + _MANTISSA).to(tl.uint64, bitcast=True)
+    low_mask = tl.load(mask_row + _LOW).to(tl.uint64, bitcast=True)
+    top_bits = tl.load(mask_row + _TOP).to(tl.uint64, bitcast=True)
+    ones = tl.load(mask_row + _ONES).to(tl.uint64, bitcast=True)
+    element_bits = tl.load(mask_row + _ELEMENT_BITS).to(tl.uint64, bitcast=True)
+
     any_bits = tl.zeros([BLOCKS_PER_STEP, _STRIPES_PER_BLOCK, _LANES], tl.uint64)
-    nan_count = tl.zeros([BLOCKS_PER_STEP, _STRIPES_PER_BLOCK, _LANES], tl.uint64)
-    inf_count = tl.zeros([BLOCKS_PER_STEP, _STRIPES_PER_BLOCK, _LANES], tl.uint64)
+    with_mantissa = tl.zeros([BLOCKS_PER_STEP, _STRIPES_PER_BLOCK, _LANES, READINGS], tl.uint64)
+    without = tl.zeros([BLOCKS_PER_STEP, _STRIPES_PER_BLOCK, _LANES, READINGS], tl.uint64)
 
     words_per_step = BLOCKS_PER_STEP * _WORDS_PER_BLOCK
     for step in range(0, tl.cdiv(n_words, words_per_step)):
         word_index = step * words_per_step + word_in_step
         words = tl.load(words_ptr + word_index, mask=word_index < n_words, other=0)
         any_bits |= words
-        if ELEMENT_BITS != 0:  # padding words are 0, which is never special
-            # Top bit set where the special bits are all ones. "^ TOP_BITS" rather than "~" because
+        if COUNT:  # padding words are 0, which is never special
+            # Top bit set where the special bits are all ones. "^ top_bits" rather than "~" because
             # the interpreter cannot invert uint64.
-            special = ((((words & SPECIAL_MASK) ^ SPECIAL_MASK) + LOW_MASK) & TOP_BITS) ^ TOP_BITS
-            if MANTISSA_MASK != 0:
-                nan = special & (((words & MANTISSA_MASK) + LOW_MASK) & TOP_BITS)
-                nan_count += _count_flagged(nan, ELEMENT_BITS, ONES)
-                inf_count += _count_flagged(special ^ nan, ELEMENT_BITS, ONES)
-            else:
-                nan_count += _count_flagged(special, ELEMENT_BITS, ONES)
+            each = words[:, :, :, None]
+            special = ((((each & special_mask) ^ special_mask) + low_mask) & top_bits) ^ top_bits
+            flagged = special & (((each & mantissa_mask) + low_mask) & top_bits)
+            with_mantissa += _count_flagged(flagged, element_bits, ones)
+            without += _count_flagged(special ^ flagged, element_bits, ones)
 
         hashed = (step * BLOCKS_PER_STEP * _STRIPES_PER_BLOCK + stripe_in_step) < hashed_stripes
         products = tl.sum(tl.where(hashed, _stripe_products(words, stripe_keys), 0), axis=1)
@@ -139,8 +158,10 @@ def region_check_kernel(
     digest *= _PRIME_MX1
     digest ^= digest >> 32
 
-    out = out_ptr + region * 4
+    out = out_ptr + region * out_stride
     tl.store(out + 0, digest.to(tl.int64, bitcast=True))
     tl.store(out + 1, (tl.max(any_bits) == 0).to(tl.int64))
-    tl.store(out + 2, tl.sum(nan_count).to(tl.int64, bitcast=True))
-    tl.store(out + 3, tl.sum(inf_count).to(tl.int64, bitcast=True))
+    counted = tl.sum(tl.sum(tl.sum(with_mantissa, axis=0), axis=0), axis=0)
+    tl.store(out + 2 + 2 * reading, counted.to(tl.int64, bitcast=True))
+    counted = tl.sum(tl.sum(tl.sum(without, axis=0), axis=0), axis=0)
+    tl.store(out + 3 + 2 * reading, counted.to(tl.int64, bitcast=True))
