@@ -57,14 +57,20 @@ def _flagged(check: ValueCheck) -> bool:
 def _judge_layout(record: KeyRecord, layout, check: ValueCheck) -> None:
     if not _flagged(check):
         return  # the common case: every region holds non-zero, finite values
-    per_segment: dict[int, list[bool]] = {}
+    per_segment: dict[int, list[bool]] = {}  # segment -> its state regions' zero flags
+    kv_segments: dict[int, list[bool]] = {}  # segment -> its KV regions' (attention, MLA latent) zero flags
     nonfinite = []
     for (segment, region), result in zip(layout.regions(), check.regions):
         if region.kind == "state":
             per_segment.setdefault(segment.index, []).append(result.zero)
+        elif region.kind == "kv":
+            kv_segments.setdefault(segment.index, []).append(result.zero)
         if region.kind != "padding" and (result.nan or result.inf):
             nonfinite.append({"segment": segment.name, "region": region.name, "nan": result.nan, "inf": result.inf})
     zero_segments = [index for index, flags in per_segment.items() if all(flags)]
+    # An attention key (no state region) is judged by its layers' KV: a layer's K/V or latent of real
+    # tokens is never exactly zero, so one layer all zero is as bad as a state layer all zero.
+    zero_kv = [index for index, flags in kv_segments.items() if all(flags)] if not per_segment else []
     layers = {segment.index: segment.layer for segment in layout.segments}
     if per_segment and len(zero_segments) == len(per_segment):
         record.verdicts.append(Verdict.ZERO_STATE)
@@ -74,20 +80,19 @@ def _judge_layout(record: KeyRecord, layout, check: ValueCheck) -> None:
         record.verdicts.append(Verdict.PARTIAL_ZERO)
         record.evidence["partial_zero"] = {"zero_layers": [layers[i] for i in zero_segments],
                                            "layers": len(per_segment)}
-    elif not per_segment and record.size and _kv_all_zero(layout, check):
+    elif zero_kv and len(zero_kv) == len(kv_segments) and record.size:
         record.verdicts.append(Verdict.ZERO_VALUE)  # an attention layout: no state regions
         if not check.zero:  # zero KV behind a header or checksum frame
             record.evidence["zero"] = {"kv_all_zero": True, "value_all_zero": False}
+    elif zero_kv:
+        record.verdicts.append(Verdict.PARTIAL_ZERO)
+        record.evidence["partial_zero"] = {"zero_layers": [layers[i] for i in zero_kv], "layers": len(kv_segments),
+                                           "regions": "kv"}
     if nonfinite:
         record.verdicts.append(Verdict.NONFINITE)
         record.evidence["nonfinite"] = {"nan": sum(r["nan"] for r in nonfinite),
                                         "inf": sum(r["inf"] for r in nonfinite),
                                         "regions": nonfinite[:MAX_EVIDENCE_REGIONS]}
-
-
-def _kv_all_zero(layout, check: ValueCheck) -> bool:
-    kv = [result.zero for (_, region), result in zip(layout.regions(), check.regions) if region.kind == "kv"]
-    return bool(kv) and all(kv)
 
 
 def _judge_zero_value(record: KeyRecord) -> None:
