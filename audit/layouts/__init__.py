@@ -1,8 +1,10 @@
 """Byte layouts of the values vLLM's MooncakeStoreConnector publishes: which bytes of a key
 are conv state, ssm state, attention K/V or padding. See docs/layouts.md."""
 
+from .candidates import layouts_from_hf_config
 from .describe import describe, summarize
-from .hf_config import SUPPORTED_MODEL_TYPES, layouts_from_hf_config, load_hf_config
+from .families import SUPPORTED_MODEL_TYPES
+from .hf_config import load_hf_config
 from .layout_file import dump_layout_file, load_layout_file, parse_layout_document
 from .model import DTYPE_SIZES, LayoutError, Layout, Region, Segment, canonical_dtype
 from .select import select_layout

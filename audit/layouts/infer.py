@@ -1,5 +1,8 @@
 """Every layout of vLLM's that a model's listed value sizes allow, not just the first.
 
+The last step of laying a model out (docs/layouts.md §11): the candidates of
+``audit.layouts.candidates`` fitted to the sizes Mooncake listed, and the reading chosen.
+
 The operator knows the model and, usually, its TP size; rarely the producer's platform and the
 dtypes vLLM resolved (CPU forces float32 ssm states, a float32 checkpoint may run in bfloat16 or
 float32, Nemotron-H and Qwen3.5 pick their own ssm dtype), the block size vLLM defaulted to, or the
@@ -17,124 +20,13 @@ does every key whose size differs from its group's dominant size (two producers,
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .dtypes import resolve_dtypes
-from .hf_config import layouts_from_hf_config, model_type_of
-from .hybrid import PLATFORM_BLOCKS
+from .candidates import LayoutRequest, candidates, reading_signature
 from .model import LayoutError, Layout
-from .versions import CUDA_PLATFORMS, DEFAULT_PLATFORM, VLLM_VERSIONS, base_platform, cuda_platforms, rules_key
-
-MODEL_DTYPES = ("bfloat16", "float16", "float32")
-KERNEL_BLOCKS = (16, 32, 64)
-TP_SIZES = (1, 2, 4, 8)
-
-
-@dataclass(frozen=True, slots=True)
-class LayoutRequest:
-    """What the operator said about one model config: None means "not given, vLLM's default"."""
-
-    config: dict
-    model: str
-    tp_size: int = 1
-    state_dtype: str | None = None
-    ssm_dtype: str | None = None
-    block_size: int | None = None
-    kernel_block_size: int | None = None
-    kv_cache_dtype: str | None = None
-    conv_layout: str = "SD"
-    platform: str | None = None
-    model_dtype: str | None = None
-    tp_given: bool = False
-    vllm_version: str | None = None  # "0.32" or "0.33"; None: either
-
-    @property
-    def name(self) -> str:
-        return self.model.rstrip("/").split("/")[-1]
-
-    def settings(self) -> dict:
-        return {"tp_size": self.tp_size, "platform": self.platform or DEFAULT_PLATFORM, "model_dtype": self.model_dtype,
-                "state_dtype": self.state_dtype, "ssm_dtype": self.ssm_dtype, "block_size": self.block_size,
-                "kernel_block_size": self.kernel_block_size, "kv_cache_dtype": self.kv_cache_dtype,
-                "vllm_version": self.vllm_version}
-
-    def layouts(self, **changes) -> list[Layout]:
-        settings = {**self.settings(), **changes}
-        return layouts_from_hf_config(self.config, model=self.model, conv_layout=self.conv_layout, **settings)
-
-    def described(self, **changes) -> dict:
-        """The settings a candidate assumes, with the dtypes vLLM's rules then give."""
-        settings = {**self.settings(), **changes}
-        text, model_type = model_type_of(self.config)
-        dtypes = resolve_dtypes(model_type=model_type or "", text=text, config=self.config,
-                                model_dtype=settings["model_dtype"], conv_dtype=settings["state_dtype"],
-                                ssm_dtype=settings["ssm_dtype"], kv_cache_dtype=settings["kv_cache_dtype"],
-                                platform=settings["platform"])
-        block, kernel = PLATFORM_BLOCKS[base_platform(settings["platform"])]
-        return {"platform": settings["platform"], "vllm_version": settings["vllm_version"],
-                "tp_size": settings["tp_size"], **dtypes.as_dict(), "block_size": settings["block_size"] or block,
-                "kernel_block_size": settings["kernel_block_size"] or kernel}
-
-    def variants(self, scope: str | None = None) -> list[list[dict]]:
-        """The (vLLM release, platform) pairs the request leaves open (within `scope`, a platform,
-        where the request names none), as changes, grouped by the rules they share (a group's
-        pairs give the same bytes); the first pair of all is vLLM 0.32 on CUDA, today's default."""
-        text, model_type = model_type_of(self.config)
-        groups: dict[tuple, list[dict]] = {}
-        for platform in cuda_platforms(self.platform or scope):
-            for version in (self.vllm_version,) if self.vllm_version else VLLM_VERSIONS:
-                key = rules_key(model_type, text, version, platform, self.kv_cache_dtype)
-                groups.setdefault(key, []).append({"vllm_version": version, "platform": platform})
-        return list(groups.values())
-
-    def releases(self) -> list[tuple[str, list[Layout] | str]]:
-        """What each vLLM release the request leaves open registers (on a CUDA GPU unless it names
-        a platform), releases and GPUs that give the same bytes together: (who, layouts), or
-        (who, why that release refuses the request)."""
-        views: dict[tuple, list] = {}
-        for alike in self.variants("cuda"):
-            try:
-                layouts = self.layouts(**alike[0])
-                signature = tuple((layout.group, reading_signature(layout)) for layout in layouts)
-            except LayoutError as error:
-                layouts = signature = str(error)
-            views.setdefault(signature, [[], layouts])[0].extend(alike)
-        return [(_who(pairs), layouts) for pairs, layouts in views.values()]
-
-
-def _where(platforms: list[str]) -> str:
-    if set(CUDA_PLATFORMS) <= set(platforms):
-        return "any CUDA GPU"
-    return ", ".join("other CUDA GPUs" if platform == "cuda" else platform for platform in platforms)
-
-
-def _who(pairs: list[dict]) -> str:
-    """The (release, platform) pairs of one view, as ``vLLM 0.32 on any CUDA GPU; vLLM 0.33 on
-    other CUDA GPUs`` (``cuda``: a GPU none of the SM90+ rules applies to)."""
-    by_version: dict[str, list[str]] = {}
-    for pair in pairs:
-        by_version.setdefault(pair["vllm_version"], []).append(pair["platform"])
-    return "; ".join(f"vLLM {version} on {_where(platforms)}" for version, platforms in by_version.items())
-
-
-def _candidates(request: LayoutRequest) -> Iterator[list[dict]]:
-    """Changes to the request, most likely first, each with the changes that give the same bytes
-    (other vLLM releases and GPUs whose rules agree); the first is vLLM's defaults."""
-    variants = request.variants()
-    model_dtypes = (request.model_dtype,) if request.model_dtype else (None, *MODEL_DTYPES)
-    ssm_dtypes = (request.ssm_dtype,) if request.ssm_dtype else (None, "float32", *MODEL_DTYPES[:2])
-    kernels = (request.kernel_block_size,) if request.kernel_block_size else (None, *KERNEL_BLOCKS)
-    blocks = (request.block_size,) if request.block_size else (None, 16, 32, 64, 128, 256)
-    tps = (request.tp_size,) + (() if request.tp_given else tuple(tp for tp in TP_SIZES if tp != request.tp_size))
-    # vLLM's defaults before any flag: the block and kernel defaults (they follow the platform),
-    # then the dtype flags, each tried on every platform and release
-    for tp, block, kernel, model_dtype, ssm, alike in itertools.product(
-            tps, blocks, kernels, model_dtypes, ssm_dtypes, variants):
-        yield [{"tp_size": tp, "model_dtype": model_dtype, "ssm_dtype": ssm, "kernel_block_size": kernel,
-                "block_size": block, **variant} for variant in alike]
+from .versions import CUDA_PLATFORMS
 
 
 @dataclass
@@ -177,11 +69,6 @@ def _attention_block_fit(request: LayoutRequest, changes: dict, sizes: dict[int,
     blocks = {sizes[layout.group] // layout.size for layout in unit
               if layout.group in sizes and sizes[layout.group] % layout.size == 0}
     return {**changes, "block_size": blocks.pop()} if len(blocks) == 1 else None
-
-
-def reading_signature(layout: Layout) -> tuple:
-    """What decides how a value's bytes are read: every region's place, length, kind and dtype."""
-    return tuple((region.offset, region.length, region.kind, region.dtype) for _, region in layout.regions())
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,7 +132,7 @@ def _fitting_candidates(request: LayoutRequest, sizes: dict[int, int], least_tp:
     likely first; score: how many groups' dominant sizes the layouts fit. TP sizes below
     `least_tp` (a key of that rank exists) are not candidates unless the operator gave one."""
     by_signature: dict[tuple, list] = {}
-    for count, alike in enumerate(_candidates(request)):
+    for count, alike in enumerate(candidates(request)):
         if count >= limit:
             break
         changes = alike[0]
@@ -282,11 +169,11 @@ def infer_layouts(request: LayoutRequest, observed: dict[tuple[str, int], GroupS
             request.layouts()  # raise the operator's error: nothing to infer from
         return Inference(configured, [])
     least_tp = 1 + max(seen.max_tp_rank for (model, _), seen in observed.items() if model == request.name)
-    candidates = _fitting_candidates(request, sizes, least_tp, limit)
-    if not candidates:
+    fitted = _fitting_candidates(request, sizes, least_tp, limit)
+    if not fitted:
         raise LayoutError(f"{request.name}: no layout of vLLM's candidates can be built from its config")
-    best_score = max(score for _, _, score in candidates)
-    fitting = [(changes, layouts) for changes, layouts, score in candidates if score == best_score]
+    best_score = max(score for _, _, score in fitted)
+    fitting = [(changes, layouts) for changes, layouts, score in fitted if score == best_score]
     best_changes, best = fitting[0]
     as_configured = configured is not None and (
         [reading_signature(layout) for layout in configured] == [reading_signature(layout) for layout in best])

@@ -21,6 +21,7 @@ from pathlib import Path
 from .describe import summarize
 from .model import DTYPE_SIZES, LayoutError, Layout, Region, Segment, canonical_dtype, layer_segment_name
 from .pages import unused_regions
+from .versions import CUDA_PLATFORMS
 
 MANIFEST_SCHEMA = "mooncake-audit/manifest"
 MANIFEST_VERSION = 1
@@ -47,6 +48,23 @@ def manifest_files(paths: Iterable[Path]) -> list[Path]:
     return found
 
 
+# a CUDA GPU's compute capability major -> the audit's platform (``versions.PLATFORMS``) of its rules
+CAPABILITY_PLATFORMS = {9: "sm90", 10: "sm100", 12: "sm120"}
+CUDA = CUDA_PLATFORMS[0]  # vLLM's device name; the audit's platform of a CUDA GPU none of the rules names
+
+
+def manifest_platform(document: dict) -> str | None:
+    """The platform whose rules the manifest's producer ran under: vLLM's device name (``cpu``),
+    and on CUDA the GPU its ``device_capability`` names (9.x ``sm90``, 10.x ``sm100``, 12.x
+    ``sm120``, another GPU ``cuda``). A manifest without one (written before the recorder kept it)
+    says ``cuda``, any CUDA GPU, as it always did."""
+    platform = document.get("platform")
+    capability = document.get("device_capability")
+    if platform != CUDA or not isinstance(capability, list) or not capability:
+        return platform
+    return CAPABILITY_PLATFORMS.get(capability[0], CUDA)
+
+
 @dataclass(frozen=True)
 class Manifest:
     """One engine process's manifest and the layouts it gives."""
@@ -59,8 +77,9 @@ class Manifest:
         """For the report: whose manifest, and what it settles."""
         document = self.document
         return {"path": str(self.path), **{name: document.get(name) for name in (
-            "model", "host", "pid", "vllm_version", "platform", "tenant", "cache_prefix", "store_namespace",
-            "tp_size", "tp_rank", "pp_rank")},
+            "model", "host", "pid", "vllm_version", "tenant", "cache_prefix", "store_namespace",
+            "tp_size", "tp_rank", "pp_rank", "device_capability")},
+            "platform": manifest_platform(document),
             "groups": [{name: group.get(name) for name in ("group", "kind", "spec", "block_size", "page_size")}
                        for group in document["groups"]],
             "layouts": [summarize(layout) for layout in self.layouts]}
@@ -228,7 +247,7 @@ def _layout_of(manifest: Manifest, group: int) -> Layout:
 def _settled(document: dict, group: int) -> dict:
     """What the manifest says about the group's values, in the terms a reading assumes."""
     entry = next((g for g in document["groups"] if g["group"] == group), {})
-    settled = {"platform": document.get("platform"), "vllm_version": document.get("vllm_version"),
+    settled = {"platform": manifest_platform(document), "vllm_version": document.get("vllm_version"),
                "tp_size": document.get("tp_size"), "block_size": entry.get("block_size"),
                "page_size": entry.get("page_size")}
     if entry.get("attention"):

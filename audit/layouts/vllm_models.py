@@ -1,19 +1,24 @@
-"""vLLM 0.32.0's models with recurrent state or no attention at all, and what the audit does with each.
+"""vLLM 0.32.0's and 0.33.0's models with recurrent state or no attention at all, and what the audit
+does with each.
 
 vLLM marks them ``IsHybrid`` or ``IsAttentionFree`` (``vllm/model_executor/models/interfaces.py``)
 and registers them by architecture (``vllm/model_executor/models/registry.py``). The audit reads a
 ``config.json``, so each architecture is listed with the model type the audit knows its config by
 (a multimodal wrapper's text config's, which decides the layout; a refused wrapper's own). An
-architecture is either laid out (a builder in ``hf_config``) or refused here with the reason,
-which the audit's error names. ``tests/layouts/test_vllm_registry.py`` (run under the real
-vLLM) fails when vLLM registers a stateful architecture this table does not list.
+architecture is either laid out (a family in ``audit.layouts.families``) or refused here with the reason,
+which the audit's error names, and with the first release that registers it (``since``): a
+release before that never served it. ``tests/layouts/test_vllm_registry.py`` (run under the real
+vLLM, asking each release's registry) fails when a release registers a stateful architecture this
+table does not list for it, or the table lists one it does not.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-VLLM_VERSION = "0.32.0"
+from .versions import VLLM_VERSIONS
+
+TABLE_RELEASES = ("0.32.0", "0.33.0")  # the releases whose registries the table was checked against
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +30,7 @@ class StatefulModel:
     refused: str | None = None  # why the audit does not lay it out; None: it does
     # what else a release changed in the bytes of a refused family, by release (``refusal`` adds it)
     by_version: tuple[tuple[str, str], ...] = ()
+    since: str = VLLM_VERSIONS[0]  # the first release (of ``versions.VLLM_VERSIONS``) that registers it
 
 
 _KDA = "Kimi Delta Attention (KDA) layers: their conv and recurrent states are not modelled"
@@ -68,6 +74,12 @@ STATEFUL_MODELS: tuple[StatefulModel, ...] = (
     StatefulModel("NemotronH_Omni_Reasoning_V3", "nemotron_h"),
     StatefulModel("NemotronH_Super_Omni_Reasoning_V3", "nemotron_h"),
     StatefulModel("InternS2PreviewForConditionalGeneration", "qwen3_5_moe_text"),
+    # laid out: vLLM 0.33's wrappers of a Qwen3.5 (its get_mamba_state_* unchanged). Clef-Flash and
+    # Decision 3.0 ship a Qwen3.5 config.json (Qwen3_5ForConditionalGeneration, Qwen3_5Model): vLLM
+    # names the class by a file beside it (joint_head_config.json, decision_config.json)
+    StatefulModel("ClefFlashForJointSchema", "qwen3_5", since="0.33"),
+    StatefulModel("D3ForSequenceClassification", "qwen3_5", since="0.33"),
+    StatefulModel("MiniCPMOcrForConditionalGeneration", "qwen3_5_text", since="0.33"),  # a MiniCPM-V 4.6
     # refused
     StatefulModel("KimiLinearForCausalLM", "kimi_linear", _KDA),
     StatefulModel("KimiK3ForConditionalGeneration", "kimi_k3", _KDA, _KIMI_K3),
@@ -84,6 +96,8 @@ STATEFUL_MODELS: tuple[StatefulModel, ...] = (
     StatefulModel("InternS2MobiusForConditionalGeneration", "interns2_mobius", _UNCHECKED),
     StatefulModel("NemotronHPuzzleForCausalLM", "nemotron_h_puzzle",
                   "per-layer block_configs (heterogeneous layers), and " + _UNCHECKED),
+    StatefulModel("AliceAIForCausalLM", None, _KDA + " (AliceAI's GDN layers are Kimi's, "
+                  "KimiGatedDeltaNetAttention, with kda_state_shape)", since="0.33"),
     StatefulModel("Terratorch", "terratorch",
                   "attention-free with no recurrent state: vLLM keeps no cache for it and publishes nothing"),
 )
@@ -103,8 +117,25 @@ _BY_ARCHITECTURE = {model.architecture: model for model in STATEFUL_MODELS}
 _REFUSED_BY_TYPE = {model.model_type: model for model in STATEFUL_MODELS if model.refused and model.model_type}
 
 
+def _unserved_note(model: StatefulModel, version: str | None) -> str | None:
+    if version is None or VLLM_VERSIONS.index(version) >= VLLM_VERSIONS.index(model.since):
+        return None
+    return f"vLLM {version} does not serve {model.architecture} (registered from vLLM {model.since})"
+
+
 def _reason(model: StatefulModel, version: str | None) -> str:
-    return "; ".join([model.refused, *(note for release, note in model.by_version if version in (None, release))])
+    notes = [note for release, note in model.by_version if version in (None, release)]
+    if version is None and model.since != VLLM_VERSIONS[0]:
+        notes.append(f"vLLM {model.since} registers it first")
+    return "; ".join([model.refused, *notes, *filter(None, [_unserved_note(model, version)])])
+
+
+def unserved(architectures: list[str], version: str | None) -> str | None:
+    """Why no producer of vLLM `version` wrote a config of these architectures: that release did
+    not register them yet (None: it serves them, or no release named)."""
+    notes = (_unserved_note(_BY_ARCHITECTURE[str(name)], version) for name in architectures
+             if str(name) in _BY_ARCHITECTURE)
+    return next(filter(None, notes), None)
 
 
 def refusal(model_types: list[str | None], architectures: list[str], version: str | None = None) -> str | None:

@@ -100,6 +100,7 @@ def describe_worker(worker, kv_caches: dict) -> dict | None:
         "schema": MANIFEST_SCHEMA, "version": MANIFEST_VERSION, "written_at": time.time(),
         "host": socket.gethostname(), "pid": os.getpid(),
         "vllm_version": vllm.__version__, "platform": current_platform.device_name,
+        "device_capability": device_capability(current_platform),
         "model": metadata.model_name, "cache_prefix": metadata.cache_prefix,
         "store_namespace": metadata.store_namespace,
         "tenant": getattr(worker.store, "audit_tenant", DEFAULT_TENANT),
@@ -109,6 +110,16 @@ def describe_worker(worker, kv_caches: dict) -> dict | None:
         "cache_dtype": str(cache_config.cache_dtype), "mamba_cache_mode": getattr(cache_config, "mamba_cache_mode", None),
         "groups": groups,
     }
+
+
+def device_capability(platform) -> list[int] | None:
+    """The GPU's compute capability ``[major, minor]``, which decides vLLM 0.33's per-GPU rules
+    (``audit.layouts.versions``); None where vLLM knows none (its CPU platform, or NVML failed)."""
+    try:
+        capability = platform.get_device_capability()
+    except NotImplementedError:  # a platform class that never learned its device
+        return None
+    return None if capability is None else [int(capability[0]), int(capability[1])]
 
 
 def _layer_pages(kv_caches: dict, num_blocks: int) -> dict[str, tuple[int, int, object]]:

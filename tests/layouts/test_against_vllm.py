@@ -36,6 +36,12 @@ our layout on ``sm90`` / ``sm100`` must give the same block and padded page. MLA
 asked there (their CUDA backends are MLA ones, not FlashAttention). The released Qwen3.5-9B is
 a case of its own (``test_qwen3_5_9b_blocks_per_release``): block 528 and 8,650,752 B keys at
 TP 2 under 0.32, 576 and 9,437,184 B under 0.33 on SM90.
+
+vLLM 0.33's new stateful wrappers are cases too (Clef-Flash and Decision 3.0: a Qwen3.5
+config.json whose class vLLM picks by a file beside it; MiniCPM-OCR), under both releases: a
+release that does not register the class must refuse it and so must the audit for that release.
+Where the audit's answer is known to differ (``KNOWN_GAPS``: rules the layout code does not have
+yet) the case is a strict xfail naming the rule.
 """
 
 from __future__ import annotations
@@ -78,7 +84,10 @@ class Family:
     rename: tuple[str, str] | None = None  # a config.json field to save under another name
     attention_layers: bool = True  # False: a hybrid class, configured with no attention layer
     remote_code: bool = False  # no config class in transformers: a minimal one beside config.json
+    remote_base: str = "PretrainedConfig"  # the transformers class that minimal one extends
     prefix_caching: bool = True  # False: an MLA hybrid (vLLM's CPU build runs MLA without it)
+    files: dict = field(default_factory=dict)  # JSON files beside config.json (vLLM names some classes by them)
+    since: str = "0.32"  # the first release that serves it (before: vLLM refuses the architecture)
 
 
 def _text(**kwargs) -> dict:
@@ -177,6 +186,20 @@ FAMILIES: dict[str, Family] = {
                               dict(text_config=_text(**_NEMOTRON_TEXT))),
     "nemotron_h_nano_vl": Family("nemotron_h_omni", "NemotronH_Nano_VL_V2", dict(text_config=_text(**_NEMOTRON_TEXT)),
                                  rename=("text_config", "llm_config")),
+    # vLLM 0.33's Qwen3.5 wrappers: the class named by a file beside a Qwen3.5 config.json
+    "clef_flash": Family("qwen3_5", "Qwen3_5ForConditionalGeneration",
+                         dict(text_config=_text(**_QWEN35_TEXT, mamba_ssm_dtype="float32")), dtypes=_GDN_BF16_ONLY,
+                         files={"joint_head_config.json": {}}),
+    "d3": Family("qwen3_5", "Qwen3_5Model", dict(text_config=_text(**_QWEN35_TEXT, mamba_ssm_dtype="float32")),
+                 dtypes=_GDN_BF16_ONLY,  # 0.32 serves the same files as a Qwen3_5Model
+                 files={"decision_config.json": {"format_version": 1, "codes": ["A", "B"], "token_ids": [3, 4]}}),
+    # MiniCPM-OCR (a MiniCPM-V 4.6; its config class is newer than transformers 5.19: a subclass here)
+    "minicpm_ocr": Family("minicpm_ocr", "MiniCPMOcrForConditionalGeneration", dict(text_config=_text(**_QWEN35_TEXT)),
+                          dtypes=_GDN_BF16_ONLY, remote_code=True, remote_base="MiniCPMV4_6Config", since="0.33"),
+    "minicpm_ocr_ssm_f32": Family("minicpm_ocr", "MiniCPMOcrForConditionalGeneration",
+                                  dict(text_config=_text(**_QWEN35_TEXT, mamba_ssm_dtype="float32")),
+                                  dtypes=_GDN_BF16_ONLY, remote_code=True, remote_base="MiniCPMV4_6Config",
+                                  since="0.33"),
     # issue #30: MLA
     "deepseek_v3_released": Family("deepseek_v3", "DeepseekV3ForCausalLM", {}),
     "deepseek_v2": Family("deepseek_v2", "DeepseekV2ForCausalLM", dict(
@@ -204,24 +227,44 @@ FAMILIES: dict[str, Family] = {
 
 MATRIX = [(name, tp, dtype) for name, family in FAMILIES.items() for tp in family.tps for dtype in family.dtypes]
 CASE_IDS = [f"{name}-tp{tp}-{dtype}" for name, tp, dtype in MATRIX]
+# (family, release) where the audit's answer is known to differ from vLLM's, until the layout code
+# (audit/layouts, being rebuilt) learns the rule: strict, so a fix shows
+_NOT_SERVED_BY_0_32 = ("vLLM 0.32 does not register this class: the audit must refuse the config for 0.32 "
+                       "(vllm_models.unserved), which needs versions.rules_key to keep 0.32 and 0.33 apart for it")
+KNOWN_GAPS = {
+    ("clef_flash", "0.33"): "vLLM 0.33 serves it as ClefFlashForJointSchema (joint_head_config.json beside "
+                            "config.json), which has no MODELS_CONFIG_MAP rule: its ssm state follows the conv dtype, "
+                            "not mamba_ssm_dtype; the audit reads config.json alone and applies Qwen3.5's rule",
+    ("d3", "0.32"): "vLLM 0.32 serves Decision 3.0's Qwen3_5Model config.json as Qwen3_5Model, which has no "
+                    "MODELS_CONFIG_MAP rule (ssm follows the conv dtype); 0.33's D3ForSequenceClassification has "
+                    "Qwen3.5's; the audit applies Qwen3.5's rule under both",
+    ("minicpm_ocr", "0.32"): _NOT_SERVED_BY_0_32,
+    ("minicpm_ocr_ssm_f32", "0.32"): _NOT_SERVED_BY_0_32,
+    ("minicpm_ocr_ssm_f32", "0.33"): "MiniCPMOcrForConditionalGeneration has no MODELS_CONFIG_MAP rule (its ssm "
+                                     "state follows the conv dtype): dtypes._NO_SSM_RULE_ARCHITECTURES lacks it",
+}
+DIFFERENTIAL_CASES = [pytest.param(name, tp, dtype, version, id=f"{case_id}-{version}", marks=(
+    [pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[name, version])] if (name, version) in KNOWN_GAPS else []))
+    for version in VERSIONS for case_id, (name, tp, dtype) in zip(CASE_IDS, MATRIX)]
 # an explicit --kv-cache-dtype beside the model dtype (bfloat16): 0.33 refuses float16, takes bfloat16
 KV_FLAG_CASES = [("llama", "float16"), ("llama", "bfloat16"), ("qwen3_5_text", "float16")]
 
 
 # A config class for a model type transformers does not know (vLLM loads it with trust_remote_code).
-_REMOTE_CONFIG = """from transformers import PretrainedConfig
+_REMOTE_CONFIG = """from transformers import {base}
 
 
-class RemoteConfig(PretrainedConfig):
+class RemoteConfig({base}):
     model_type = {model_type!r}
 """
 
 
-def _remote_config(model_type: str, path: Path, **kwargs):
+def _remote_config(model_type: str, base: str, path: Path, **kwargs):
     path.mkdir(parents=True, exist_ok=True)
-    (path / "configuration_remote.py").write_text(_REMOTE_CONFIG.format(model_type=model_type))
+    source = _REMOTE_CONFIG.format(model_type=model_type, base=base)
+    (path / "configuration_remote.py").write_text(source)
     namespace: dict = {}
-    exec(compile(_REMOTE_CONFIG.format(model_type=model_type), "configuration_remote.py", "exec"), namespace)
+    exec(compile(source, "configuration_remote.py", "exec"), namespace)
     config = namespace["RemoteConfig"](**kwargs)
     config.auto_map = {"AutoConfig": "configuration_remote.RemoteConfig"}
     return config
@@ -232,7 +275,7 @@ def _save(family: Family, path: Path) -> None:
     import transformers
 
     kwargs = {**({} if not family.kwargs else COMMON), **family.kwargs}
-    config = (_remote_config(family.model_type, path, **kwargs) if family.remote_code
+    config = (_remote_config(family.model_type, family.remote_base, path, **kwargs) if family.remote_code
               else transformers.AutoConfig.for_model(family.model_type, **kwargs))
     config.architectures = [family.architecture]
     config.dtype = torch.bfloat16
@@ -247,6 +290,8 @@ def _save(family: Family, path: Path) -> None:
         else:
             document[name] = value
     (path / "config.json").write_text(json.dumps(document, indent=1))
+    for name, content in family.files.items():
+        (path / name).write_text(json.dumps(content))
 
 
 def _run_probe(*args: str, root: Path | None = None) -> dict:
@@ -339,10 +384,14 @@ def _rule_dtypes(path: Path, tp: int, dtype: str, version: str) -> list[str]:
     return []
 
 
-@pytest.mark.parametrize("version", VERSIONS)
-@pytest.mark.parametrize("name, tp, dtype", MATRIX, ids=CASE_IDS)
+@pytest.mark.parametrize("name, tp, dtype, version", DIFFERENTIAL_CASES)
 def test_layout_matches_vllm(model_dirs, vllm_answers, name, tp, dtype, version):
     theirs = dict(_answers_of(vllm_answers, version)[f"{name}-tp{tp}-{dtype}"])
+    if VERSIONS.index(version) < VERSIONS.index(FAMILIES[name].since):  # that release refuses the class
+        assert "are not supported for now" in theirs.get("error", ""), theirs
+        with pytest.raises(LayoutError, match=f"vLLM {version} does not serve"):
+            _layouts(model_dirs[name], tp, dtype, "cpu", version)
+        return
     assert "error" not in theirs, theirs.get("error")
     assert theirs.pop("vllm_version").startswith(version + ".")
     path = model_dirs[name]
@@ -408,6 +457,16 @@ def test_explicit_kv_cache_dtype_per_release(model_dirs, vllm_answers, name, kv,
                     block_size=None if "state_regions" in theirs else theirs["attention"]["block_size"])
     (kv_region,) = next(layout for layout in ours if layout.kind == "attention").segments[0].regions
     assert (kv_region.dtype, _pages(ours).get("block_size")) == (kv, theirs["attention"]["block_size"])
+
+
+def test_0_33_picks_the_wrappers_class_by_the_files_beside_the_config(vllm_answers):
+    """The new cases ask the class the issue names, not a plain Qwen3.5 (0.32 has none of them)."""
+    expected = {"0.32": {"clef_flash": "Qwen3_5ForConditionalGeneration", "d3": "Qwen3_5Model"},
+                "0.33": {"clef_flash": "ClefFlashForJointSchema", "d3": "D3ForSequenceClassification",
+                         "minicpm_ocr": "MiniCPMOcrForConditionalGeneration"}}
+    for version, answers in vllm_answers.items():
+        assert {name: answers[f"{name}-tp1-auto"]["architecture"] for name in expected[version]} == expected[version]
+    assert "are not supported for now" in vllm_answers["0.32"]["minicpm_ocr-tp1-auto"]["error"]
 
 
 def test_matrix_covers_every_family_at_every_tp_its_heads_divide():

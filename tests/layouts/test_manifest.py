@@ -13,7 +13,7 @@ from audit.errors import AuditError
 from audit.judge.plan import CheckPlan, load_layouts
 from audit.keys import vllm_key
 from audit.layouts.infer import observed_sizes
-from audit.layouts.manifest import FROM_MANIFEST, read_manifest, read_manifests
+from audit.layouts.manifest import FROM_MANIFEST, manifest_platform, read_manifest, read_manifests
 from audit.layouts.model import LayoutError
 from audit.records import KeyInfo
 from audit.recorder.manifest import describe_worker, write_manifest
@@ -124,6 +124,36 @@ def test_the_plan_takes_the_manifest_instead_of_the_configs_inference(fake_vllm_
     assert row["manifest"].startswith(str(records)) and row["layout_size"] == row["dominant_size"] == 32768
     assert row["assumed"]["kv_dtype"] == "float32" and row["assumed"]["platform"] == "cpu"
     assert plan.manifests.rows(observed_sizes(keys)) == [row]
+
+
+@pytest.mark.parametrize("device, capability, platform", [
+    ("cuda", (9, 0), "sm90"), ("cuda", (10, 0), "sm100"), ("cuda", (10, 3), "sm100"), ("cuda", (12, 0), "sm120"),
+    ("cuda", (8, 0), "cuda"), ("cuda", None, "cuda"), ("cpu", None, "cpu"), ("rocm", (9, 4), "rocm")])
+def test_the_manifest_settles_the_gpu_its_capability_names(monkeypatch, tmp_path, device, capability, platform):
+    """The reading a manifest settles names the audit's platform of the producer's GPU (the rules
+    of vLLM 0.33 differ between SM90, SM100 and SM120), and the report's manifest row says it too."""
+    fake_vllm.install_fake_vllm(monkeypatch, version="0.33.0", platform=device, capability=capability)
+    records = tmp_path / "records"
+    written(records, llama_worker())
+    plan = CheckPlan()
+    plan.use_manifests([records])
+    keys = [KeyInfo(vllm_key("llama-tiny", f"{i:064x}"), 32768) for i in range(3)]
+    (row,) = plan.fit_sizes(keys)
+    assert (row["assumed"]["platform"], row["assumed"]["vllm_version"]) == (platform, "0.33.0")
+    (manifest,) = read_manifests([records]).manifests
+    assert (manifest.summary()["platform"], manifest.summary()["device_capability"]) == (
+        platform, None if capability is None else list(capability))
+
+
+def test_a_manifest_written_before_the_capability_was_recorded_reads_as_before(fake_vllm_installed, tmp_path):
+    document = describe_worker(*llama_worker())
+    del document["device_capability"]
+    document["platform"] = "cuda"
+    records = tmp_path / "records"
+    write_manifest(records, document)
+    (manifest,) = read_manifests([records]).manifests
+    assert manifest_platform(document) == manifest.summary()["platform"] == "cuda"  # any CUDA GPU, as before
+    assert [layout.size for layout in manifest.layouts] == [32768]
 
 
 def test_conflicting_manifests_stop_the_plan_with_one_line(fake_vllm_installed, tmp_path):

@@ -5,7 +5,8 @@ config. ``test_against_vllm.py`` checks the same builders against vLLM's own cod
 from __future__ import annotations
 
 from audit.layouts import layouts_from_hf_config
-from audit.layouts.hf_config import attention_kv_shape, hybrid_pools, mla_latent_shape
+from audit.layouts.candidates import LayoutRequest
+from audit.layouts.config_shapes import attention_kv_shape, hybrid_pools, mla_latent_shape
 
 # allenai/Olmo-Hybrid-7B's geometry (transformers' OlmoHybridConfig defaults): every 4th layer attends
 OLMO_HYBRID = {
@@ -85,6 +86,9 @@ def test_deepseek_v3_one_latent_a_token_and_layer():
     assert layouts_from_hf_config(DEEPSEEK_V3, model="m", block_size=64)[0].size == 61 * 73_728
     assert layouts_from_hf_config(DEEPSEEK_V3, model="m", kv_cache_dtype="fp8")[0].size == 61 * 9_216
     assert layouts_from_hf_config(DEEPSEEK_V3, model="m", platform="cpu")[0].size == 1_124_352  # CPU_MLA: 16
+    # what a reading says it assumed: MLA's block, not the platform's default (128 on the CPU build)
+    for platform in ("cpu", "cuda"):
+        assert LayoutRequest(DEEPSEEK_V3, "m", platform=platform).described()["block_size"] == 16
 
 
 def test_kimi_k2_and_deepseek_v2_are_mla_too():

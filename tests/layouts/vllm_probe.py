@@ -20,8 +20,9 @@ its own, because to ask vLLM's classes it changes what the pytest process should
 - vLLM's CPU platform forces float32 ssm states only on a CPU with AVX-512 BF16, the platform the
   audit's ``cpu`` rules describe; this host may lack it, so the check says it has it.
 
-``registry``: every registered architecture whose class is ``IsHybrid`` or ``IsAttentionFree``,
-and every one whose module could not be imported (with whether its source names either marker).
+``registry``: the release answering, every registered architecture whose class is ``IsHybrid`` or
+``IsAttentionFree``, and every one whose module could not be imported (with whether its source
+names either marker).
 ``answers``: per case ``{"id", "dir", "tp", "dtype"}`` and optionally ``"attention_layers": false``
 (a hybrid class whose config has no attention layer, which vLLM never aligns),
 ``"prefix_caching": false`` (the CPU build turns it off for MLA, which a hybrid's config refuses
@@ -154,7 +155,10 @@ def registry_answer() -> dict:
         if is_hybrid(model_cls) or is_attention_free(model_cls):
             stateful[architecture] = {"module": module, "hybrid": bool(is_hybrid(model_cls)),
                                       "attention_free": bool(is_attention_free(model_cls))}
-    return {"registered": len(_VLLM_MODELS), "stateful": stateful, "import_failed": failed}
+    import vllm
+
+    return {"vllm_version": vllm.__version__, "registered": len(_VLLM_MODELS), "stateful": stateful,
+            "import_failed": failed}
 
 
 def _dtype_name(dtype) -> str:

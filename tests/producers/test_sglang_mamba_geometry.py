@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from audit.layouts.hf_config import hybrid_pools
+from audit.layouts.config_shapes import hybrid_pools
 from audit.producers.sglang.pages import read_page
 
 SCRIPT = Path(__file__).with_name("sglang_mamba_geometry.py")

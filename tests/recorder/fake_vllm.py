@@ -197,12 +197,25 @@ def hybrid_worker(**options) -> tuple[FakeWorker, dict]:
                         **options)
 
 
-def install_fake_vllm(monkeypatch, version: str = "0.32.0", platform: str = "cpu") -> None:
+class FakePlatform:
+    """vLLM's ``current_platform`` as describe_worker reads it: its device name and the GPU's
+    capability (``DeviceCapability`` is a (major, minor) named tuple; vLLM's CPU platform: None)."""
+
+    def __init__(self, device_name: str, capability: tuple[int, int] | None):
+        self.device_name = device_name
+        self.capability = capability
+
+    def get_device_capability(self, device_id: int = 0):
+        return self.capability
+
+
+def install_fake_vllm(monkeypatch, version: str = "0.32.0", platform: str = "cpu",
+                      capability: tuple[int, int] | None = None) -> None:
     """`import vllm` and `vllm.platforms.current_platform`, as describe_worker reads them."""
     vllm = types.ModuleType("vllm")
     vllm.__version__ = version
     platforms = types.ModuleType("vllm.platforms")
-    platforms.current_platform = types.SimpleNamespace(device_name=platform)
+    platforms.current_platform = FakePlatform(platform, capability)
     vllm.platforms = platforms
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)

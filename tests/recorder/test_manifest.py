@@ -52,6 +52,27 @@ def test_the_manifest_copies_what_the_worker_registered(fake_vllm_installed):
                                                                               ("model.3.mixer", 0)]
 
 
+@pytest.mark.parametrize("device, capability, recorded", [
+    ("cpu", None, None), ("cuda", (9, 0), [9, 0]), ("cuda", (10, 3), [10, 3]), ("cuda", (8, 9), [8, 9])])
+def test_the_manifest_names_the_gpu_by_its_compute_capability(monkeypatch, device, capability, recorded):
+    """vLLM 0.33's rules differ between GPUs, so the manifest keeps ``current_platform``'s
+    ``get_device_capability()`` beside its device name. The platform is a stand-in
+    (``fake_vllm.FakePlatform``: a device name and a capability, nothing else)."""
+    fake_vllm.install_fake_vllm(monkeypatch, version="0.33.0", platform=device, capability=capability)
+    document = describe_worker(*fake_vllm.hybrid_worker())
+    assert (document["platform"], document["device_capability"], document["vllm_version"]) == (
+        device, recorded, "0.33.0")
+    assert document["version"] == 1  # a field added, none changed meaning: old readers read it
+
+
+def test_a_platform_that_cannot_say_its_capability_records_none():
+    class Unknowing:
+        def get_device_capability(self, device_id: int = 0):
+            raise NotImplementedError  # vLLM's CudaPlatformBase before a concrete platform
+
+    assert manifest_module.device_capability(Unknowing()) is None
+
+
 def test_a_segment_no_layer_of_the_group_owns_names_the_layer_it_belongs_to(fake_vllm_installed):
     attention = fake_vllm.FullAttentionSpec(block_size=64, num_kv_heads=1, head_size=64, dtype=fake_vllm.BFLOAT16)
     conv = fake_vllm.MambaSpec(block_size=64, shapes=((2, 64),), dtypes=(fake_vllm.BFLOAT16,),

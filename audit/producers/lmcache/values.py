@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from audit.layouts.hf_config import attention_kv_shape
+from audit.layouts.config_shapes import attention_kv_shape
 from audit.layouts.model import DTYPE_SIZES, Layout, Region, Segment
 from audit.producers.base import Disagreement, ValueReading
 from audit.producers.lmcache.checksum_frame import FRAME_BYTES, read_frame

@@ -27,9 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from audit.layouts.hf_config import (attention_heads, attention_kv_shape, hybrid_pools, mixes_sliding_layers,
-                                    mla_latent_shape, model_type_of)
+from audit.layouts.config_shapes import (attention_heads, attention_kv_shape, hybrid_pools, mixes_sliding_layers,
+                                         mla_latent_shape)
 from audit.layouts.dtypes import config_dtype
+from audit.layouts.hf_config import model_type_of
 from audit.layouts.model import Layout, LayoutError, Region, Segment
 from audit.producers.base import Disagreement, ValueReading
 
