@@ -33,7 +33,8 @@ _KDA_TYPES = ("kimi_linear",)
 # Qwen3.5 or Nemotron-H text model have no entry there, so their ssm state follows the conv dtype.
 _NO_SSM_RULE_ARCHITECTURES = ("MiniCPMV4_6ForConditionalGeneration", "MiniCPMV4_7ForConditionalGeneration",
                               "InternS2PreviewForConditionalGeneration", "NemotronH_Nano_Omni_Reasoning_V3",
-                              "NemotronH_Omni_Reasoning_V3", "NemotronH_Super_Omni_Reasoning_V3")
+                              "NemotronH_Omni_Reasoning_V3", "NemotronH_Super_Omni_Reasoning_V3",
+                              "MiniCPMOcrForConditionalGeneration")
 
 
 def config_dtype(config: dict, text: dict | None = None) -> str:

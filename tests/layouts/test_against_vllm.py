@@ -240,8 +240,6 @@ KNOWN_GAPS = {
                     "Qwen3.5's; the audit applies Qwen3.5's rule under both",
     ("minicpm_ocr", "0.32"): _NOT_SERVED_BY_0_32,
     ("minicpm_ocr_ssm_f32", "0.32"): _NOT_SERVED_BY_0_32,
-    ("minicpm_ocr_ssm_f32", "0.33"): "MiniCPMOcrForConditionalGeneration has no MODELS_CONFIG_MAP rule (its ssm "
-                                     "state follows the conv dtype): dtypes._NO_SSM_RULE_ARCHITECTURES lacks it",
 }
 DIFFERENTIAL_CASES = [pytest.param(name, tp, dtype, version, id=f"{case_id}-{version}", marks=(
     [pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[name, version])] if (name, version) in KNOWN_GAPS else []))
