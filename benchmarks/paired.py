@@ -45,9 +45,12 @@ ROOT = Path(__file__).resolve().parent.parent
 TIMES = ("started_at", "finished_at", "duration_s", "bytes_per_s")
 
 
-def comparable(path: Path) -> dict:
+def comparable(path: Path, ignore: tuple[str, ...] = ()) -> dict:
+    """What must be equal between two reports of one store: the summary (without times and the fields
+    named in `ignore`: ones a change between the two checkouts rewords), every key's or finding's
+    digest, size, zero flag and verdicts, the shared groups."""
     document = json.loads(path.read_text())
-    summary = {k: v for k, v in document["summary"].items() if k not in TIMES}
+    summary = {k: v for k, v in document["summary"].items() if k not in TIMES and k not in ignore}
     keys = {r["key"]: (r["xxh3"], r["size"], r["zero"], sorted(r["verdicts"]))
             for r in document.get("keys", document.get("findings", []))}
     return {"summary": summary, "keys": keys, "shared": document.get("shared_groups"),
@@ -102,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured runs of each command and checkout first")
     parser.add_argument("--all-keys", action="store_true",
                         help="reports with --all, compared key by key (else the summaries and findings)")
+    parser.add_argument("--ignore-summary", action="append", default=[], metavar="FIELD",
+                        help="a summary field the two checkouts word differently (e.g. layout_inference)")
     parser.add_argument("--repo-before", type=Path, default=None)
     parser.add_argument("--repo-after", type=Path, default=ROOT, help="the checkout after (default: this tree)")
     args = parser.parse_args(argv)
@@ -168,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                     argv_, _ = argv_of(command, label)
                     measured[label].append(run(argv_, {**env, "PYTHONPATH": str(repos[label])}, neutral))
                 if len(labels) == 2:
-                    a, b = (comparable(argv_of(command, label)[1]) for label in labels)
+                    a, b = (comparable(argv_of(command, label)[1], tuple(args.ignore_summary)) for label in labels)
                     if a != b:
                         raise RuntimeError(f"{command}: the reports of before and after differ")
                 loads.append(os.getloadavg()[0])

@@ -155,10 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             for label, store in order:
                 measured[label, store].append(measure(label, store))
             for store in STORES:
-                was, now = (comparable(scratch / f"{label}-{store}.json") for label in repos)
-                for summary in (was["summary"], now["summary"]):
-                    for name in args.ignore_summary:
-                        summary.pop(name, None)
+                was, now = (comparable(scratch / f"{label}-{store}.json", tuple(args.ignore_summary)) for label in repos)
                 if was != now:
                     raise RuntimeError(f"{store}: the reports of before and after differ: {_difference(was, now)}")
             for label in repos:
