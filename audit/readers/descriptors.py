@@ -32,19 +32,32 @@ def _memory_replicas(answer: dict) -> list[Replica]:
             for r in answer.get("values") or []]
 
 
-def query_replicas(admin: AdminClient, names: Iterable[str]) -> dict[str, list[Replica] | None]:
-    """Per key, its memory replicas in the master's order, or GONE.
+def query_answers(admin: AdminClient, names: Iterable[str]) -> dict[str, dict]:
+    """Per key, the master's answer as it gave it. Keys holding a comma cannot be asked for (the
+    master splits on it) and are left out."""
+    return dict(admin.query(name for name in names if "," not in name))
 
-    Keys holding a comma cannot be asked for (the master splits on it) and are left out of the
-    answer; a key whose only replicas are on disk maps to an empty list.
-    """
-    askable = [name for name in names if "," not in name]
-    found: dict[str, list[Replica] | None] = {}
-    for name, answer in admin.query(askable):
-        if answer.get("ok"):
-            found[name] = _memory_replicas(answer)
-        elif answer.get("error") == "OBJECT_NOT_FOUND":
-            found[name] = GONE
-        else:
-            found[name] = []
-    return found
+
+def replicas_of(answer: dict) -> list[Replica] | None:
+    """An answer's memory replicas in the master's order, or GONE; a key whose only replicas are
+    on disk, or that the master refused, has an empty list."""
+    if answer.get("ok"):
+        return _memory_replicas(answer)
+    return GONE if answer.get("error") == "OBJECT_NOT_FOUND" else []
+
+
+def names_only(answer: dict, replica: Replica) -> bool:
+    """Whether `answer` gives the key exactly one memory replica, `replica`: what nearly every key
+    read lease-free finds after the read, decided with no Replica made."""
+    values = answer.get("values")
+    if not answer.get("ok") or type(values) is not list or len(values) != 1:
+        return False
+    only = values[0]
+    return (only.get("transport_endpoint_") == replica.endpoint and only.get("buffer_address_") == replica.address
+            and only.get("size_") == replica.size)
+
+
+def query_replicas(admin: AdminClient, names: Iterable[str]) -> dict[str, list[Replica] | None]:
+    """Per key, its memory replicas in the master's order, or GONE (`replicas_of`); keys holding a
+    comma are left out of the answer."""
+    return {name: replicas_of(answer) for name, answer in query_answers(admin, names).items()}

@@ -22,7 +22,7 @@ from audit.connection import AdminClient, Settings
 from audit.errors import ERROR_NAMES, MOVED, NOT_PEEKABLE
 from audit.readers.buffers import ALIGNMENT, FetchedBatch, RegisteredBuffer, Slot, plan_batches
 from audit.readers.confirm import Confirmation, KeyRead, confirmation_of
-from audit.readers.descriptors import GONE, Replica, query_replicas
+from audit.readers.descriptors import GONE, Replica, names_only, query_answers, query_replicas, replicas_of
 from audit.readers.engine import RawRead, RawTransfer
 from audit.records import KeyInfo, KeyRecord
 
@@ -231,12 +231,22 @@ class PeekReader:
                     primary[i] = replica_index
                     if target is not buffer:
                         buffer.array[offset: offset + replica.size] = target.array[offset: offset + replica.size]
-        after = query_replicas(self.admin, names)
-        reads = [_settle(slot.key, before[i], after.get(name, []),
-                         [attempts[i][r] for r in sorted(attempts[i])], primary[i])
-                 for i, (slot, name) in enumerate(zip(slots, names))]
-        again = [i for i, (name, replicas) in enumerate(zip(names, listed))
-                 if replicas is not None and after.get(name, []) is not GONE and after.get(name, []) != replicas]
+        answers = query_answers(self.admin, names)
+        reads: list[KeyRead] = []
+        again = []  # keys the listing described otherwise than the master does now
+        for i, (slot, name) in enumerate(zip(slots, names)):
+            answer, mine, tried = answers.get(name), listed[i], attempts[i]
+            if mine is not None and len(mine) == 1 and primary[i] == 0 and len(tried) == 1 and answer is not None \
+                    and names_only(answer, mine[0]):  # the common key: listed, read fine, still there
+                replica, _, digest = tried[0]
+                reads.append(KeyRead(slot.key.size or 0, [{"endpoint": replica.endpoint, "address": replica.address,
+                                                          "size": replica.size, "xxh3": f"{digest:016x}",
+                                                          "status": "ok"}], digest))
+                continue
+            after = [] if answer is None else replicas_of(answer)
+            reads.append(_settle(slot.key, before[i], after, [tried[r] for r in sorted(tried)], primary[i]))
+            if mine is not None and after is not GONE and after != mine:
+                again.append(i)
         if again:  # described otherwise since the listing: read as a key the listing did not describe
             for i, read in zip(again, self._read([slots[i] for i in again], buffer, scratch, fresh=True)):
                 reads[i] = read
