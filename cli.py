@@ -20,6 +20,7 @@ import typer
 from audit.commands.impact import impact_command
 from audit.connection import Settings
 from audit.errors import AuditError
+from audit.run.collector import tune_for_scanning
 from audit.run.progress import ScanProgress
 from audit.report import FORMATS, make_sink
 from audit.report.inert import printable
@@ -861,6 +862,7 @@ def main() -> None:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     # SIGTERM ends a command as Ctrl-C does; scans stop between batches and write their report instead.
     signal.signal(signal.SIGTERM, _terminate)
+    tune_for_scanning()
     try:
         app()
     except KeyboardInterrupt:

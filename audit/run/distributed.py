@@ -32,6 +32,7 @@ from audit.readers.throttle import ThrottledReader
 from audit.judge.ledger import RecordLedger
 from audit.records import KeyInfo, KeyRecord, Verdict
 from audit.run.checkpoint import Checkpoint
+from audit.run.collector import tune_for_scanning
 from audit.run.options import ScanOptions
 from audit.run.reading import after_batch_hook, confirm_shared, make_reader
 from audit.run.scan import scan_keys
@@ -76,6 +77,7 @@ def scan_shard(scan: str, settings: Settings, options: ScanOptions, plan: CheckP
     """One shard, read on this Ray worker by a store client of its own. Starts with an empty chunk
     (where it runs: a retry on another worker shows in its later chunks) and always ends with one,
     so a retry yields as many chunks as the first attempt (Ray replays them by index)."""
+    tune_for_scanning()
     node, worker = ray.util.get_node_ip_address(), os.getpid()
     yield Chunk([], node, worker)
     remaining = None if deadline_at is None else deadline_at - time.time()
