@@ -22,6 +22,8 @@ RSS):
   snapshot       `python -m cli snapshot --output FRESH.sqlite`
   ray            `python -m cli scan --ray local --format json --output FILE`; Ray's own processes
                  (raylet, GCS, workers) are not the driver: their RSS is sampled from /proc
+  scan@before, check@before   with `--repo-before DIR`: scan and check from that checkout, in the
+                 same rounds
 
 The CLI runs from `--repo` (default: this checkout) with that checkout first on PYTHONPATH, so a
 before/after comparison uses the same interpreter and packages. Every run is verified: exit code
@@ -345,9 +347,13 @@ def _populate(cluster, python: str, scratch: Path, env: dict, keys: int, workers
     return seconds
 
 
+BEFORE = "@before"  # a command's suffix: run from --repo-before
+
+
 def measure_size(keys: int, commands: list[str], runs: int, repo: Path, log, timeout_s: float,
-                 populate_workers: int, min_free_gib: float) -> dict:
-    """One cluster, populated, every command `runs` times in interleaved rounds."""
+                 populate_workers: int, min_free_gib: float, repo_before: Path | None = None) -> dict:
+    """One cluster, populated, every command `runs` times in interleaved rounds (`command@before`:
+    from `repo_before`)."""
     from audit.cluster import LocalCluster
 
     python = sys.executable
@@ -355,7 +361,10 @@ def measure_size(keys: int, commands: list[str], runs: int, repo: Path, log, tim
     env.pop("MOONCAKE_CONFIG_PATH", None)
     env.update(MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"), BENCH_ROOT=str(ROOT))
     cli_env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))}
-    measured = {command: Measured(LABELS[command]) for command in commands}
+    before_env = repo_before and {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_before),
+                                                                                     env.get("PYTHONPATH")]))}
+    measured = {command: Measured(LABELS[command.removesuffix(BEFORE)] + (
+        f" - before ({_code_of(repo_before)})" if command.endswith(BEFORE) else "")) for command in commands}
     facts: dict = {"keys": keys, "zero_values": zero_count(keys), "value_bytes": VALUE_BYTES,
                    "segment_mb": _segment_mb(keys), "mem_available_gib_start": round(_mem_available_gib(), 1)}
     with tempfile.TemporaryDirectory(prefix="mooncake-bench-scale-") as scratch_name, \
@@ -381,14 +390,15 @@ def measure_size(keys: int, commands: list[str], runs: int, repo: Path, log, tim
                     row.skipped = f"skipped: MemAvailable {_mem_available_gib():.1f} GiB < {min_free_gib} GiB"
                     log(f"  {command}: {row.skipped}")
                     continue
-                run_dir = Path(tempfile.mkdtemp(prefix=f"{command}-", dir=scratch))
-                argv, kind, out = _command_lines(command, python, connection, cluster_args, fetch_script, run_dir)
+                run_dir = Path(tempfile.mkdtemp(prefix=f"{command.removesuffix(BEFORE)}-", dir=scratch))
+                what = command.removesuffix(BEFORE)
+                argv, kind, out = _command_lines(what, python, connection, cluster_args, fetch_script, run_dir)
                 theirs = cpu_seconds(daemons)
-                outcome = run_child(argv, env if command == "fetch" else cli_env, run_dir, timeout_s,
-                                    sample_tree=command == "ray")
+                outcome = run_child(argv, env if what == "fetch" else before_env if command.endswith(BEFORE)
+                                    else cli_env, run_dir, timeout_s, sample_tree=what == "ray")
                 row.daemons_cpu_s.append(cpu_seconds(daemons) - theirs)
                 row.loadavg.append(os.getloadavg()[0])
-                row.checked.append(_verify(command, outcome, kind, out, keys, python, env, run_dir))
+                row.checked.append(_verify(what, outcome, kind, out, keys, python, env, run_dir))
                 row.seconds.append(outcome.seconds)
                 row.rss_mib.append(outcome.maxrss_mib)
                 row.cpu_s.append(outcome.cpu_s)
@@ -494,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="key counts (one cluster each)")
     parser.add_argument("--runs", type=int, default=1, help="interleaved rounds per key count")
     parser.add_argument("--repo", type=Path, default=ROOT, help="checkout whose CLI is measured (python -m cli)")
+    parser.add_argument("--repo-before", type=Path, default=None,
+                        help="a second checkout: its scan and check run too, interleaved, as scan@before, check@before")
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_KEYS:,} keys, one round")
     parser.add_argument("--commands", default=",".join(COMMANDS), help="subset of " + ",".join(COMMANDS))
     parser.add_argument("--baseline-keys", type=int, default=None,
@@ -525,6 +537,11 @@ def main(argv: list[str] | None = None) -> int:
     repo = args.repo.resolve()
     if not (repo / "cli.py").exists():
         parser.error(f"{repo} has no cli.py")
+    repo_before = args.repo_before and args.repo_before.resolve()
+    if repo_before is not None:
+        if not (repo_before / "cli.py").exists():
+            parser.error(f"{repo_before} has no cli.py")
+        commands += [command + BEFORE for command in commands if command in ("scan", "check")]
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -546,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{keys:,} keys: MemAvailable {_mem_available_gib():.1f} GiB, load {os.getloadavg()[0]:.2f}")
         size_started = time.perf_counter()
         facts = measure_size(keys, [c for c in commands if c not in skipped], args.runs, repo, log, args.timeout_s,
-                             args.populate_workers, args.min_free_gib)
+                             args.populate_workers, args.min_free_gib, repo_before)
         for command_, why in skipped.items():
             facts["rows"][command_] = asdict(Measured(LABELS[command_], skipped=why))
         facts["elapsed_s"] = time.perf_counter() - size_started
