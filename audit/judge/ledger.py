@@ -52,6 +52,9 @@ class Tally:
             self.read_by_tenant[record.tenant] += 1
 
 
+_READ_FINE_ROW = frozenset(("endpoint", "address", "size", "xxh3", "status"))  # a replica row with no error
+
+
 def _plain(record: KeyRecord) -> bool:
     return (not record.verdicts and record.error is None and record.xxh3 is not None
             and (not record.evidence or record.evidence.keys() == {"replicas"}))
@@ -128,7 +131,7 @@ class RecordLedger:
             return False
         row = rows[0]
         listed = self.table.listed_replica(record.ordinal)
-        return (listed is not None and row.keys() == {"endpoint", "address", "size", "xxh3", "status"}
+        return (listed is not None and row.keys() == _READ_FINE_ROW
                 and row["status"] == "ok" and record.xxh3 is not None and row["xxh3"] == f"{record.xxh3:016x}"
                 and listed == (row["endpoint"], row["address"], row["size"]))
 
