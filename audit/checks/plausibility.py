@@ -105,11 +105,64 @@ def _pattern_tables(dtype: str) -> tuple[np.ndarray, np.ndarray]:
     return nonzero.astype(np.int64), (nonzero & ~_sane(values)).astype(np.int64)
 
 
+_BANDED = ("bfloat16", "float16")  # dtypes whose plausible numbers are one band of magnitudes
+
+
+@lru_cache(maxsize=None)
+def _sane_band(dtype: str) -> tuple[int, int] | None:
+    """(lo, hi) where `region_plausibility`'s tables of a 2-byte dtype say exactly: a pattern is a
+    non-zero number when its magnitude bits (sign dropped) are not 0, and an implausible one when
+    they lie outside lo..hi (float magnitudes order like their bit patterns); None where the
+    tables are not of that form (then the histogram decides, as `region_plausibility` does)."""
+    nonzero, implausible = _pattern_tables(dtype)
+    patterns = np.arange(1 << 16, dtype=np.uint32)
+    magnitude = patterns & 0x7FFF
+    sane = np.flatnonzero((nonzero != 0) & (implausible == 0) & (patterns <= 0x7FFF))
+    if not sane.size:
+        return None
+    lo, hi = int(sane[0]), int(sane[-1])
+    outside = (magnitude != 0) & ((magnitude < lo) | (magnitude > hi))
+    if not (np.array_equal(nonzero, (magnitude != 0).astype(nonzero.dtype))
+            and np.array_equal(implausible, outside.astype(implausible.dtype))):
+        return None
+    return lo, hi
+
+
+class _Region:
+    """One region's 16-bit words, their magnitude bits and how many are non-zero, computed once for
+    every 2-byte dtype a reading reads it as."""
+
+    __slots__ = ("size", "delta", "magnitude", "nonzero", "weight")
+
+    def __init__(self, data: np.ndarray):
+        words = data[: data.nbytes - data.nbytes % 2].view(np.uint16)
+        self.size = words.size
+        self.magnitude = np.bitwise_and(words, np.uint16(0x7FFF))
+        self.nonzero = int(np.count_nonzero(self.magnitude))
+        self.weight = data.nbytes // max(data.nbytes // 2, 1)  # as region_plausibility weighs them
+        self.delta = None
+
+    def plausibility(self, lo: int, hi: int) -> Plausibility:
+        """Non-zero numbers, and those of magnitude outside lo..hi: one pass (unsigned wrap-around;
+        lo 1, float16's, needs none: only magnitudes above hi are out)."""
+        if lo == 1:
+            outside = int(np.count_nonzero(self.magnitude > np.uint16(hi)))
+        else:
+            shifted = np.subtract(self.magnitude, np.uint16(lo), out=self.delta, dtype=np.uint16)
+            self.delta = shifted
+            outside = int(np.count_nonzero(shifted > np.uint16(hi - lo))) - (self.size - self.nonzero)
+        return Plausibility(self.nonzero * self.weight, outside * self.weight)
+
+
 def readings_plausibility(data: np.ndarray, layouts) -> list[Plausibility]:
-    """A whole value (uint8, the layouts' size) read each of `layouts`' ways: a region that several
-    readings cut and type alike (bfloat16 against float16 readings share their padding, and each
-    dtype's regions) is judged once for all of them, and its bit patterns counted once per width."""
+    """A whole value (uint8, the layouts' size) read each of `layouts`' ways, with the counts of
+    `region_plausibility` region by region: a region that several readings cut and type alike
+    (bfloat16 against float16 readings share their padding, and each dtype's regions) is judged once
+    for all of them; a bfloat16 or float16 region is counted from its words' magnitudes against the
+    dtype's sane band (a few passes over the words, shared by both dtypes), not from a 65,536-bin
+    histogram of them (3.5 ms a value: a fifth of a second of choosing readings)."""
     seen: dict[tuple, Plausibility] = {}
+    words: dict[tuple, _Region] = {}
     histograms: dict[tuple, np.ndarray] = {}
     totals = []
     for layout in layouts:
@@ -117,8 +170,15 @@ def readings_plausibility(data: np.ndarray, layouts) -> list[Plausibility]:
         for _, region in layout.regions():
             key = (region.offset, region.length, region.kind, region.dtype)
             if key not in seen:
-                seen[key] = region_plausibility(data[region.offset: region.offset + region.length], region.kind,
-                                                region.dtype, histograms)
+                part = data[region.offset: region.offset + region.length]
+                band = _sane_band(region.dtype) if region.kind != "padding" and region.dtype in _BANDED else None
+                if band is None:
+                    seen[key] = region_plausibility(part, region.kind, region.dtype, histograms)
+                else:
+                    place = (region.offset, region.length)
+                    if place not in words:
+                        words[place] = _Region(part)
+                    seen[key] = words[place].plausibility(*band)
             total += seen[key]
         totals.append(total)
     return totals

@@ -33,7 +33,8 @@ def layouts_from_hf_config(config: dict, *, model: str, tp_size: int = 1,
                            block_size: int | None = None, conv_layout: str = "SD",
                            kv_cache_dtype: str | None = None,
                            kernel_block_size: int | None = None, platform: str = DEFAULT_PLATFORM,
-                           model_dtype: str | None = None, vllm_version: str | None = None) -> list[Layout]:
+                           model_dtype: str | None = None, vllm_version: str | None = None,
+                           memo: dict | None = None) -> list[Layout]:
     """One Layout per KV-cache group, in vLLM's group order (``@group:g`` is list index g).
 
     ``model``: the model path or name; its basename is what vLLM puts in keys.
@@ -50,18 +51,22 @@ def layouts_from_hf_config(config: dict, *, model: str, tp_size: int = 1,
     ``platform``: one of ``versions.PLATFORMS``: "cpu" (vLLM's CPU build forces float32 ssm states),
     "sm90", "sm100", "sm120" (rules of those GPUs), "cuda" (a CUDA GPU none of their rules applies to).
     ``vllm_version``: the producer's release, "0.32" or "0.33" (None: 0.32; ``audit.layouts.versions``).
+    ``memo``: a dict kept by a caller that builds many candidates of this one ``config`` (unchanged
+    meanwhile): settings that resolve to the same family and `Options` (``--dtype`` None or the
+    config's own, block and kernel None or the platform's) are built once (layouts are frozen).
     """
     version = vllm_version or DEFAULT_VLLM_VERSION
-    parsed = read_config(config)
-    family = family_of(parsed, vllm_version)
+    parsed = _memoized(memo, ("config",), lambda: read_config(config))
+    family = _memoized(memo, ("family", vllm_version), lambda: family_of(parsed, vllm_version))
     name = model.rstrip("/").split("/")[-1]
     if not name:
         raise LayoutError(f"model name {model!r} has no basename")
     if tp_size < 1:
         raise LayoutError(f"tp_size must be >= 1, got {tp_size}")
-    dtypes = resolve_dtypes(model_type=parsed.model_type or "", text=parsed.text, config=config,
-                            model_dtype=model_dtype, conv_dtype=state_dtype, ssm_dtype=ssm_dtype,
-                            kv_cache_dtype=kv_cache_dtype, platform=platform)
+    dtypes = _memoized(memo, ("dtypes", model_dtype, state_dtype, ssm_dtype, kv_cache_dtype, platform),
+                       lambda: resolve_dtypes(model_type=parsed.model_type or "", text=parsed.text, config=config,
+                                              model_dtype=model_dtype, conv_dtype=state_dtype, ssm_dtype=ssm_dtype,
+                                              kv_cache_dtype=kv_cache_dtype, platform=platform))
     refused = version_refusal(version, dtypes.kv, dtypes.model)
     if refused is not None:
         raise LayoutError(refused)
@@ -72,7 +77,28 @@ def layouts_from_hf_config(config: dict, *, model: str, tp_size: int = 1,
         block_size=block_size if block_size is not None else family.default_block or default_block,
         kernel_block_size=default_kernel if kernel_block_size is None else kernel_block_size,
         checkpoint_alignment=prefill_checkpoint_alignment(parsed.model_type, parsed.text, version, platform))
-    return family.build(parsed.text, options)
+    if memo is None:
+        return family.build(parsed.text, options)
+    return list(_memoized(memo, (family, options), lambda: family.build(parsed.text, options)))
+
+
+def _memoized(memo: dict | None, key: tuple, make):
+    """``make()``, or what it gave (or the LayoutError it raised) for `key` before, in `memo`."""
+    if memo is None:
+        return make()
+    found = memo.get(key, _MISSING)
+    if found is _MISSING:
+        try:
+            found = make()
+        except LayoutError as error:
+            found = error
+        memo[key] = found
+    if isinstance(found, LayoutError):
+        raise LayoutError(*found.args)
+    return found
+
+
+_MISSING = object()
 
 
 def reading_signature(layout: Layout) -> tuple:
@@ -108,20 +134,27 @@ class LayoutRequest:
                 "kernel_block_size": self.kernel_block_size, "kv_cache_dtype": self.kv_cache_dtype,
                 "vllm_version": self.vllm_version}
 
-    def layouts(self, **changes) -> list[Layout]:
+    def layouts(self, memo: dict | None = None, **changes) -> list[Layout]:
+        """The layouts of the request with `changes`; `memo`: see `layouts_from_hf_config`."""
         settings = {**self.settings(), **changes}
-        return layouts_from_hf_config(self.config, model=self.model, conv_layout=self.conv_layout, **settings)
+        return layouts_from_hf_config(self.config, model=self.model, conv_layout=self.conv_layout, memo=memo,
+                                      **settings)
 
-    def described(self, **changes) -> dict:
-        """The settings a candidate assumes, with the dtypes vLLM's rules then give."""
+    def described(self, memo: dict | None = None, **changes) -> dict:
+        """The settings a candidate assumes, with the dtypes vLLM's rules then give (`memo`: see
+        `layouts_from_hf_config`)."""
         settings = {**self.settings(), **changes}
-        text, model_type = model_type_of(self.config)
-        dtypes = resolve_dtypes(model_type=model_type or "", text=text, config=self.config,
-                                model_dtype=settings["model_dtype"], conv_dtype=settings["state_dtype"],
-                                ssm_dtype=settings["ssm_dtype"], kv_cache_dtype=settings["kv_cache_dtype"],
-                                platform=settings["platform"])
+        parsed = _memoized(memo, ("config",), lambda: read_config(self.config))
+        dtypes = _memoized(memo, ("dtypes", settings["model_dtype"], settings["state_dtype"], settings["ssm_dtype"],
+                                  settings["kv_cache_dtype"], settings["platform"]),
+                           lambda: resolve_dtypes(model_type=parsed.model_type or "", text=parsed.text,
+                                                  config=self.config, model_dtype=settings["model_dtype"],
+                                                  conv_dtype=settings["state_dtype"], ssm_dtype=settings["ssm_dtype"],
+                                                  kv_cache_dtype=settings["kv_cache_dtype"],
+                                                  platform=settings["platform"]))
         block, kernel = PLATFORM_BLOCKS[base_platform(settings["platform"])]
-        block = family_of(read_config(self.config), settings["vllm_version"]).default_block or block  # MLA: 16
+        family = _memoized(memo, ("family", settings["vllm_version"]), lambda: family_of(parsed, settings["vllm_version"]))
+        block = family.default_block or block  # MLA: 16
         return {"platform": settings["platform"], "vllm_version": settings["vllm_version"],
                 "tp_size": settings["tp_size"], **dtypes.as_dict(), "block_size": settings["block_size"] or block,
                 "kernel_block_size": settings["kernel_block_size"] or kernel}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import lru_cache
 
 from .model import LayoutError, Layout, Segment, layer_segment_name
 from .pages import AttentionShape, attention_regions, state_regions, unused_regions
@@ -118,6 +119,16 @@ def state_model_layouts(*, model: str, kind: str, tp_size: int,
     else:
         tokens = 0  # no attention pages; a pure-state page is never padded
         page = page_bytes(states)
+    return list(_paged_layouts(model, kind, tp_size, tuple((group_kind, tuple(layers)) for group_kind, layers in groups),
+                               None if states is None else tuple(states), attention, tokens, page))
+
+
+@lru_cache(maxsize=1024)
+def _paged_layouts(model: str, kind: str, tp_size: int, groups: tuple, states: tuple[StateTensor, ...] | None,
+                   attention: AttentionShape | None, tokens: int, page: int) -> tuple[Layout, ...]:
+    """The groups' layouts once their pages are sized: the candidates of a fit (`audit.layouts.infer`)
+    that differ only in block settings vLLM raises to the same block are laid out once (layouts
+    are frozen: one object serves them all)."""
     num_segments = max(len(layers) for _, layers in groups)
     layouts = []
     for group, (group_kind, layers) in enumerate(groups):
@@ -136,4 +147,4 @@ def state_model_layouts(*, model: str, kind: str, tp_size: int,
                                     page, regions))
         layouts.append(Layout(model, group, ATTENTION if _is_attention(group_kind) else kind,
                               tp_size, tuple(segments)))
-    return layouts
+    return tuple(layouts)

@@ -58,10 +58,11 @@ def observed_sizes(keys: Iterable) -> dict[tuple[str, int], GroupSizes]:
     return dict(groups)
 
 
-def _attention_block_fit(request: LayoutRequest, changes: dict, sizes: dict[int, int]) -> dict | None:
+def _attention_block_fit(request: LayoutRequest, changes: dict, sizes: dict[int, int],
+                         memo: dict | None = None) -> dict | None:
     """Attention only, no --block-size: the block size is the value size over one token's."""
     try:
-        unit = request.layouts(**{**changes, "block_size": 1})
+        unit = request.layouts(memo, **{**changes, "block_size": 1})
     except LayoutError:
         return None
     if any(layout.kind != "attention" for layout in unit):
@@ -127,11 +128,16 @@ def _merged(settings: list[dict]) -> dict:
     return merged
 
 
-def _fitting_candidates(request: LayoutRequest, sizes: dict[int, int], least_tp: int, limit: int):
+def _fitting_candidates(request: LayoutRequest, sizes: dict[int, int], least_tp: int, limit: int,
+                        memo: dict | None = None):
     """[changes that give identical bytes, layouts, score] of every distinct candidate, most
     likely first; score: how many groups' dominant sizes the layouts fit. TP sizes below
-    `least_tp` (a key of that rank exists) are not candidates unless the operator gave one."""
+    `least_tp` (a key of that rank exists) are not candidates unless the operator gave one.
+    `memo` (`layouts_from_hf_config`): candidates that resolve to the same settings are built once."""
     by_signature: dict[tuple, list] = {}
+    memo = {} if memo is None else memo
+    signatures: dict[tuple, tuple] = {}  # ids of the memo's layouts (kept alive there) -> their signature
+    blocks: dict[tuple, int | None] = {}  # the block an attention-only fit gives, per candidate but its block
     for count, alike in enumerate(candidates(request)):
         if count >= limit:
             break
@@ -139,15 +145,21 @@ def _fitting_candidates(request: LayoutRequest, sizes: dict[int, int], least_tp:
         if not request.tp_given and changes["tp_size"] < least_tp:
             continue
         if request.block_size is None:
-            fitted = _attention_block_fit(request, changes, sizes)
-            if fitted is not None:
-                alike = [{**variant, "block_size": fitted["block_size"]} for variant in alike]
+            unit = tuple(item for item in changes.items() if item[0] != "block_size")  # its block is 1
+            if unit not in blocks:
+                fitted = _attention_block_fit(request, changes, sizes, memo)
+                blocks[unit] = None if fitted is None else fitted["block_size"]
+            if blocks[unit] is not None:
+                alike = [{**variant, "block_size": blocks[unit]} for variant in alike]
                 changes = alike[0]
         try:
-            layouts = request.layouts(**changes)
+            layouts = request.layouts(memo, **changes)
         except LayoutError:
             continue
-        signature = tuple((layout.group, reading_signature(layout)) for layout in layouts)
+        built = tuple(map(id, layouts))
+        signature = signatures.get(built)
+        if signature is None:
+            signature = signatures[built] = tuple((layout.group, reading_signature(layout)) for layout in layouts)
         if signature in by_signature:
             by_signature[signature][0].extend(alike)
             continue
@@ -169,7 +181,8 @@ def infer_layouts(request: LayoutRequest, observed: dict[tuple[str, int], GroupS
             request.layouts()  # raise the operator's error: nothing to infer from
         return Inference(configured, [])
     least_tp = 1 + max(seen.max_tp_rank for (model, _), seen in observed.items() if model == request.name)
-    fitted = _fitting_candidates(request, sizes, least_tp, limit)
+    memo: dict = {}  # what the candidates share (dtypes, builds), for `described` too
+    fitted = _fitting_candidates(request, sizes, least_tp, limit, memo)
     if not fitted:
         raise LayoutError(f"{request.name}: no layout of vLLM's candidates can be built from its config")
     best_score = max(score for _, _, score in fitted)
@@ -182,7 +195,7 @@ def infer_layouts(request: LayoutRequest, observed: dict[tuple[str, int], GroupS
         for layout in layouts:
             if sizes.get(layout.group) == layout.size:
                 _, settings = found[layout.group].setdefault(reading_signature(layout), (layout, []))
-                settings += [request.described(**change) for change in changes]
+                settings += [request.described(memo, **change) for change in changes]
     readings = {group: [Reading(layout, _merged(settings)) for layout, settings in by_signature.values()]
                 for group, by_signature in found.items()}
     rows = []
@@ -198,7 +211,7 @@ def infer_layouts(request: LayoutRequest, observed: dict[tuple[str, int], GroupS
         row = {"model": model, "group": group, "keys": seen.keys, "dominant_size": seen.dominant,
                "layout_size": None if layout is None else layout.size, "status": status,
                "from": f"{seen.sizes[seen.dominant]} of {seen.keys} keys of {seen.dominant:,} B",
-               "assumed": choices[0].assumed if choices else _merged([request.described(**change)
+               "assumed": choices[0].assumed if choices else _merged([request.described(memo, **change)
                                                                       for change in best_changes])}
         if status == "ambiguous":
             row["candidates"] = [describe_reading(reading) for reading in choices]

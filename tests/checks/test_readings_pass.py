@@ -222,8 +222,12 @@ def test_plausibility_from_bit_patterns_equals_decoding_every_number():
     value = rng.integers(0, 256, 9_000, dtype=np.uint8)
     layouts = [_layout([(2_000, conv), (6_000, ssm), (1_000, "raw")], kinds)
                for conv in ("bfloat16", "float16") for ssm in ("bfloat16", "float16")]
-    assert readings_plausibility(value, layouts) == [
-        sum((decoded(value[r.offset: r.offset + r.length], r.dtype) if r.kind != "padding" else
-             Plausibility(int(np.count_nonzero(value[r.offset: r.offset + r.length])),
-                          int(np.count_nonzero(value[r.offset: r.offset + r.length])))
-             for _, r in layout.regions()), Plausibility()) for layout in layouts]
+    every_pattern = np.arange(1 << 16, dtype=np.uint16).view(np.uint8)  # subnormals, -0, Inf, NaN, the band's edges
+    sparse = np.zeros(9_000, dtype=np.uint8)
+    sparse[::37] = rng.integers(0, 256, len(sparse[::37]), dtype=np.uint8)
+    for value in (value, every_pattern[:9_000], every_pattern[-9_000:], sparse):
+        assert readings_plausibility(value, layouts) == [
+            sum((decoded(value[r.offset: r.offset + r.length], r.dtype) if r.kind != "padding" else
+                 Plausibility(int(np.count_nonzero(value[r.offset: r.offset + r.length])),
+                              int(np.count_nonzero(value[r.offset: r.offset + r.length])))
+                 for _, r in layout.regions()), Plausibility()) for layout in layouts]
