@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.watch_detect                       # 100,000 keys (the documented run)
     .venv/bin/python -m benchmarks.watch_detect --quick               # under a minute, a smoke run
     .venv/bin/python -m benchmarks.watch_detect --keys 100000 --samples 40 --json detect.json
+    .venv/bin/python -m benchmarks.watch_detect --samples 10 --feeds restart   # the first round after a start
 
 One `LocalCluster` (master + one holder) holds `--keys` clean vLLM-style keys (TP 1, random bytes,
 `--value-bytes` each). The watcher is a whole process (`.venv/bin/mooncake-audit watch`), started on
@@ -18,6 +19,11 @@ sample of the time to detect.
                 for each of the store's keys written before the watcher starts, one for each clean
                 put, and for each bad key a null-block record (`block_ids: [0]`) appended right after
                 its put, as the recorder does; the key should be judged NULL_BACKED
+  restart       (only when named in --feeds) `--samples` times: the watcher stopped and started again on
+                the verified state (`watch --interval I`), and once its first round is over one bad key
+                as above: the first listing after a start sizes every key and costs several times the
+                next ones, so this times the first round after a restart (the interval that listing
+                set is reported per sample, `first_interval_s`)
   cost          the same store, the watcher on the verified state again with `--period` short
                 enough that every key is due, under each `--max-bandwidth`, and once with the default
                 24 h period (nothing due: listing and new keys only): bytes read per second (from
@@ -146,6 +152,32 @@ def measure_feed(name: str, watcher: WatchProcess, producer: Producer, samples: 
     }
 
 
+def measure_restarts(cluster, state_dir: Path, base: list[str], log_path: Path, producer: Producer, samples: int,
+                     interval: float, first_bad: int, size: int, rng: random.Random, log) -> dict:
+    """`samples` times a watcher started again on the verified state, and after its first round one bad
+    key, timed as measure_feed times it."""
+    latencies, first_intervals, rounds, missed = [], [], [], 0
+    for n in range(samples):
+        watcher = WatchProcess(cluster, state_dir, free_port(), base, log_path)
+        try:
+            # the round counter moves before the state's gauges and the interval are set: wait for them too
+            first = watcher.wait_for(lambda m: m.get(ROUNDS, 0) >= 1 and m.get(FINDINGS, 0) >= first_bad + n
+                                     and m.get("mooncake_audit_watch_interval_seconds", 0) > 0, 600,
+                                     "the first round after a start")
+            first_intervals.append(first.get("mooncake_audit_watch_interval_seconds"))
+            one = measure_feed(f"restart {n + 1}/{samples}, 1st sample", watcher, producer, 1, interval,
+                               first_bad + n, size, rng, log)
+        finally:
+            watcher.stop()
+        latencies += one["seconds"]
+        rounds += one["rounds_to_detect"]
+        missed += one["missed"]
+    return {"feed": "restart", "samples": len(latencies), "missed": missed, "seconds": latencies,
+            "rounds_to_detect": rounds, "first_interval_s": first_intervals,  # the interval after each first round
+            "p50_s": percentile(latencies, 50), "p99_s": percentile(latencies, 99),
+            "max_s": max(latencies, default=None)}
+
+
 def measure_cost(name: str, watcher: WatchProcess, warmup_s: float, seconds: float, log) -> dict:
     time.sleep(warmup_s)
     first, cpu0, t0 = watcher.metrics(), watcher.cpu_seconds(), time.monotonic()
@@ -237,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
                 bad_used += args.samples
                 watcher.stop()
                 clean.records = None
+            if "restart" in feeds:
+                result["feeds"].append(measure_restarts(cluster, state_dir, base, scratch / "watch.log", producer,
+                                                        args.samples, args.interval, bad_used, args.value_bytes,
+                                                        rng, log))
+                bad_used += args.samples
             if "cost" in feeds:
                 settings = [("period 24h (nothing due)", [])]
                 settings += [(f"--max-bandwidth {bw}, period 60s", ["--period", "60s", "--max-bandwidth", bw])

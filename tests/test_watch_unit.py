@@ -64,6 +64,59 @@ def test_the_interval_stretches_on_the_median_listing_not_one_slow_one():
     assert stretched_interval(10, [2.0, 2.0, 0.1]) == 20
 
 
+@pytest.mark.parametrize("known_s, stretched_s", [(0.3, 5.0), (0.8, 8.0)])
+def test_a_listing_that_sized_every_key_stretches_no_interval(tmp_path, monkeypatch, known_s, stretched_s):
+    """The first listing of a watcher, and one in FULL_LISTING_EVERY, sizes every key and costs several
+    times one that knows the last listing, which is what the next round lists. Counted in the median,
+    the first stretched the interval after start-up to ten times its seconds (and after the second round
+    to ten times the mean of the two), however cheap the listings after it: the first key put after the
+    store was verified waited that long. The watcher's own loop, with listings of known seconds."""
+    import threading
+    from types import SimpleNamespace
+
+    import audit.run.watch as watch
+    from audit.connection import Settings
+    from audit.run.stops import StopOnSignals
+
+    class Listing:  # what AdminListing.list returns, as far as the loop looks: 100 keys, `sized` of them sized
+        def __init__(self, known):
+            self.sized = 100 if known is None else 0
+
+    class FakeListing:
+        def __init__(self, admin, key_filter):
+            pass
+
+        def list(self, known=None, index=True):
+            return Listing(known)
+
+    monkeypatch.setattr(watch, "AdminListing", FakeListing)
+    monkeypatch.setattr(watch, "KnownKeys", lambda listing: listing)
+    settings = Settings(master="127.0.0.1:9", metadata="http://127.0.0.1:9/metadata", admin="http://127.0.0.1:9")
+    watcher = watch.Watcher(settings, watch.WatchOptions(state_dir=tmp_path, interval_s=5.0), log=lambda line: None)
+    stop, rounds, intervals = threading.Event(), [], []
+
+    def round_(state, stop, signals, interval):  # the real listing decision, the listing's cost made up
+        listing = watcher._list(state, stop, signals)
+        rounds.append((listing.sized == 100, interval))
+        return 3.0 if listing.sized == 100 else known_s
+
+    def wait(state, stop, signals, server, until):
+        intervals.append(watcher.metrics.interval._value.get())
+        if len(intervals) == 2 * watch.FULL_LISTING_EVERY + 1:
+            stop.set()
+
+    monkeypatch.setattr(watcher, "_round", round_)
+    monkeypatch.setattr(watcher, "_wait", wait)
+    watcher._loop(None, stop, StopOnSignals(), SimpleNamespace(alive=lambda: None))
+    full = [n for n, (was_full, _) in enumerate(rounds) if was_full]
+    assert full == [0, watch.FULL_LISTING_EVERY, 2 * watch.FULL_LISTING_EVERY]
+    # after the first listing (full): --interval; from the second on, the listings that knew the last one
+    assert intervals == [5.0] + [stretched_s] * (2 * watch.FULL_LISTING_EVERY)
+    assert [interval for _, interval in rounds] == [5.0] + intervals[:-1]  # each round gets the interval set before
+    assert watcher.metrics.listing_seconds_median._value.get() == known_s
+    assert watcher.metrics.interval_stretched._value.get() == (stretched_s > 5.0)
+
+
 def test_keys_are_read_ahead_of_the_period_by_the_backlog_they_need():
     from audit.run.watch import read_ahead_s
 

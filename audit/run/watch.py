@@ -42,7 +42,8 @@ from audit.sources.keytable import KeyTable
 from audit.sources.listing import AdminListing, KnownKeys, Listing
 
 LISTING_SHARE = 0.1      # the listing may take at most this share of the time: the interval stretches
-LISTINGS_MEDIAN = 5      # ... judged on the median of this many last listings, so one slow one stretches nothing
+LISTINGS_MEDIAN = 5      # ... judged on the median of this many last listings that knew the one before (the
+                         # next round's kind), so one slow one stretches nothing and a full one is not counted
 MAX_BACKOFF_S = 60.0
 SLICE_S = 0.25           # between rounds, the record files are looked at this often
 PENDING_S = 30.0         # a key a record names that the store does not hold yet is looked for this long
@@ -138,7 +139,7 @@ class Watcher:
         self._fitted_sizes: set[int | None] = set()
         self._reader = None
         self._reader_bytes = 0
-        self._listings_s: deque[float] = deque(maxlen=LISTINGS_MEDIAN)
+        self._listings_s: deque[float] = deque(maxlen=LISTINGS_MEDIAN)  # listings that knew the last one
         self._pending: dict[str, float] = {}     # named by a record, not in the store yet: until when to look
         self._chunks_unjudged: set[str] = set()  # judged in a record round: chunk verdicts wait for a listing
         self._listing: Listing | None = None     # the last listing: its keys need not be sized again
@@ -182,12 +183,22 @@ class Watcher:
                 continue
             backoff = 1.0
             server.alive()
-            self._listings_s.append(listing_s)
-            interval = stretched_interval(self.options.interval_s, self._listings_s, self.options.listing_share)
-            self.metrics.listing_seconds_median.set(statistics.median(self._listings_s))
+            interval = self._next_interval(listing_s)
             self.metrics.interval.set(interval)
             self.metrics.interval_stretched.set(int(interval > self.options.interval_s))
             self._wait(state, stop, signals, server, started + interval)
+
+    def _next_interval(self, listing_s: float) -> float:
+        """The interval to the next round: stretched on the median of the last listings that took the
+        one before from it, as the next round's will (all but one in FULL_LISTING_EVERY). A listing that
+        sized every key (a watcher's first, and one in FULL_LISTING_EVERY) costs several times more and
+        is not counted: the first one alone would stretch the interval after start-up to ten times its
+        seconds, and after the second round to ten times the mean of the two (29 s, then 16 s at 100,000
+        keys), so that the first keys put after start-up waited that long however cheap the listings."""
+        if not self._last_listing_full:
+            self._listings_s.append(listing_s)
+            self.metrics.listing_seconds_median.set(statistics.median(self._listings_s))
+        return stretched_interval(self.options.interval_s, self._listings_s, self.options.listing_share)
 
     def _wait(self, state: WatchState, stop: threading.Event, signals: StopOnSignals, server, until: float) -> None:
         """Until the next round, in short slices: a key a new record names is read at once, without a listing."""
