@@ -55,6 +55,12 @@ def _row(replica: Replica, status: str, digest: int | None, code: int | None) ->
     return row
 
 
+def _read_fine(key: KeyInfo, replica: Replica, digest: int) -> KeyRead:
+    """A key read whole from its one replica, which the master still lists."""
+    return KeyRead(key.size or 0, [{"endpoint": replica.endpoint, "address": replica.address, "size": replica.size,
+                                    "xxh3": f"{digest:016x}", "status": "ok"}], digest)
+
+
 def _settle(key: KeyInfo, before: list[Replica] | None, after: list[Replica] | None,
             attempts: list[tuple[Replica, int, int | None]], primary: int | None) -> KeyRead:
     """Decide a key from what was read and what the master said before and after.
@@ -69,8 +75,7 @@ def _settle(key: KeyInfo, before: list[Replica] | None, after: list[Replica] | N
     if len(attempts) == 1 and primary == 0:  # the common key: one replica, read fine
         replica, code, digest = attempts[0]
         if code == 0 and replica in after:
-            return KeyRead(key.size or 0, [{"endpoint": replica.endpoint, "address": replica.address,
-                                            "size": replica.size, "xxh3": f"{digest:016x}", "status": "ok"}], digest)
+            return _read_fine(key, replica, digest)
     still_listed = set(after)
     rows, statuses = [], []
     for replica, code, digest in attempts:
@@ -239,9 +244,7 @@ class PeekReader:
             if mine is not None and len(mine) == 1 and primary[i] == 0 and len(tried) == 1 and answer is not None \
                     and names_only(answer, mine[0]):  # the common key: listed, read fine, still there
                 replica, _, digest = tried[0]
-                reads.append(KeyRead(slot.key.size or 0, [{"endpoint": replica.endpoint, "address": replica.address,
-                                                          "size": replica.size, "xxh3": f"{digest:016x}",
-                                                          "status": "ok"}], digest))
+                reads.append(_read_fine(slot.key, replica, digest))
                 continue
             after = [] if answer is None else replicas_of(answer)
             reads.append(_settle(slot.key, before[i], after, [tried[r] for r in sorted(tried)], primary[i]))
