@@ -82,9 +82,9 @@ def test_a_listing_that_sized_every_key_stretches_no_interval(tmp_path, monkeypa
         def __init__(self, known):
             self.sized = 100 if known is None else 0
 
-    class FakeListing:
+    class FakeListing:  # a fake: a real listing's seconds cannot be chosen, and the test is about them
         def __init__(self, admin, key_filter):
-            pass
+            self.admin, self.key_filter = admin, key_filter
 
         def list(self, known=None, index=True):
             return Listing(known)
