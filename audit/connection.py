@@ -192,14 +192,16 @@ class AdminClient:
         budget = 0  # the chunk's length before encoding: encoding only lengthens it
         for key in keys:
             if chunk and (len(chunk) >= QUERY_KEYS_PER_CALL or budget + len(key) + 1 > QUERY_URL_BUDGET):
-                for query in _query_strings(chunk):
-                    yield from self._query_chunk(query).items()
+                yield from self._query_keys(chunk)
                 chunk, budget = [], 0
             chunk.append(key)
             budget += len(key) + 1
         if chunk:
-            for query in _query_strings(chunk):
-                yield from self._query_chunk(query).items()
+            yield from self._query_keys(chunk)
+
+    def _query_keys(self, keys: list[str]) -> Iterator[tuple[str, dict]]:
+        for query in _query_strings(keys):
+            yield from self._query_chunk(query).items()
 
     def _query_chunk(self, query: str) -> dict[str, dict]:
         body = self._get("/batch_query_keys?keys=" + query)
