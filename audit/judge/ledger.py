@@ -189,12 +189,19 @@ class RecordLedger:
         return sizes
 
     def sort_from(self, first: int) -> None:
-        """Records added from position `first` on, put in their keys' table order (records
-        arriving out of order, from Ray tasks, as one process would have added them)."""
-        tail = self._order[first:]
-        ordinals = [self._kept[-1 - slot].ordinal if slot < 0 else self._ordinal[slot] for slot in tail]
-        order = sorted(range(len(tail)), key=lambda i: (ordinals[i] is None, ordinals[i] or 0))
-        self._order[first:] = array("q", (tail[i] for i in order))
+        """Records added from position `first` on, put in their keys' table order (records arriving
+        out of order, from Ray tasks or a peek reader's holder order, as a scan in listing order
+        adds them); records without an ordinal last, in the order added."""
+        tail = np.frombuffer(self._order, dtype=np.int64)[first:]
+        if not len(tail):
+            return
+        ordinals = np.full(len(tail), np.iinfo(np.int64).max, dtype=np.int64)
+        plain = tail >= 0
+        ordinals[plain] = np.frombuffer(self._ordinal, dtype=np.int64)[tail[plain]]
+        for i in np.flatnonzero(~plain):
+            if (ordinal := self._kept[-1 - int(tail[i])].ordinal) is not None:
+                ordinals[i] = ordinal
+        self._order[first:] = array("q", tail[np.argsort(ordinals, kind="stable")].tobytes())
 
     def kept(self) -> list[KeyRecord]:
         """The records held whole: every one with a verdict, evidence or error."""

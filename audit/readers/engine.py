@@ -3,6 +3,7 @@
 The engine reads `length` bytes at a holder's address into local registered memory. It knows
 nothing about keys: whether those bytes still belong to a key is the caller's business
 (`audit.readers.descriptors`). Reads to one holder go as one batch; holders are read in parallel.
+Reads that lie side by side at both ends go as one transfer (`audit.readers.order` arranges them so).
 """
 
 from __future__ import annotations
@@ -30,6 +31,25 @@ class RawRead(NamedTuple):
     local: int        # where the bytes land (inside registered memory)
     remote: int       # the replica's buffer_address_
     length: int
+
+
+def merged(items: Sequence[RawRead]) -> list[RawRead]:
+    """`items` (reads from one holder) with each run of exact neighbours made one read: a read that
+    starts where the one before it ends, in the holder's memory and in ours. Only exact ones: the
+    bytes between two slots may not be ours to write. A transfer costs the engine about the same CPU
+    whatever its length, so a thousand 256 B neighbours read as one cost about a thousandth."""
+    runs: list[RawRead] = []
+    local = remote = length = None
+    for item in sorted(items, key=lambda read: read.remote):
+        if length is not None and item.remote == remote + length and item.local == local + length:
+            length += item.length
+            continue
+        if length is not None:
+            runs.append(RawRead(item.endpoint, local, remote, length))
+        local, remote, length = item.local, item.remote, item.length
+    if length is not None:
+        runs.append(RawRead(items[0].endpoint, local, remote, length))
+    return runs
 
 
 def _unique_name(host: str) -> str:
@@ -109,15 +129,17 @@ class RawTransfer:
 
     def _read_batch(self, items: list[RawRead]) -> list[int]:
         endpoint = items[0].endpoint
+        runs = merged(items)
         started = time.monotonic()
-        rc = self.engine.batch_transfer_sync_read(endpoint, [r.local for r in items], [r.remote for r in items],
-                                                  [r.length for r in items])
+        rc = self.engine.batch_transfer_sync_read(endpoint, [r.local for r in runs], [r.remote for r in runs],
+                                                  [r.length for r in runs])
         if rc == 0:
             return [0] * len(items)
-        # A failed batch does not say which read failed. One that waited out MC_TRANSFER_TIMEOUT met
-        # a holder that does not answer (a probe would hang too); one that failed fast met a refused
-        # connection (the probe fails at once) or an address the holder rejects (the probe answers):
-        # only then are the reads retried one by one, since retries against a dead holder back off.
+        # A failed batch does not say which read failed, nor which of a run's reads. One that waited
+        # out MC_TRANSFER_TIMEOUT met a holder that does not answer (a probe would hang too); one
+        # that failed fast met a refused connection (the probe fails at once) or an address the
+        # holder rejects (the probe answers): only then are the reads retried one by one, unmerged,
+        # since retries against a dead holder back off.
         if (len(items) == 1 or time.monotonic() - started > FAST_FAILURE_S
                 or self.engine.send_probe(endpoint) != 0):
             return [TRANSFER_FAIL] * len(items)

@@ -23,6 +23,10 @@ class LeaseReader:
     def capacity(self) -> int:
         return self.buffers[0].nbytes
 
+    def order(self, keys):
+        """Keys as given: each lease read is a transfer of its own, wherever the value lies."""
+        return keys
+
     def fetch(self, slots: list[Slot], turn: int) -> FetchedBatch:
         needed = slots[-1].offset + (slots[-1].key.size or 0)
         if needed > self.capacity:  # a single value larger than a buffer half

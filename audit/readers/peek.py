@@ -24,6 +24,7 @@ from audit.readers.buffers import ALIGNMENT, FetchedBatch, RegisteredBuffer, Slo
 from audit.readers.confirm import Confirmation, KeyRead, confirmation_of
 from audit.readers.descriptors import GONE, Replica, names_only, query_answers, query_replicas, replicas_of
 from audit.readers.engine import RawRead, RawTransfer
+from audit.readers.order import in_reading_order
 from audit.records import KeyInfo, KeyRecord
 
 OBJECT_NOT_FOUND = -704
@@ -137,6 +138,10 @@ class PeekReader:
     @property
     def capacity(self) -> int:
         return self.buffers[0].nbytes
+
+    def order(self, keys: Sequence[KeyInfo]) -> Sequence[KeyInfo]:
+        """Keys by holder and address: neighbours in a holder's memory are read as one transfer."""
+        return in_reading_order(keys, self.capacity)
 
     def fetch(self, slots: list[Slot], turn: int) -> FetchedBatch:
         needed = slots[-1].offset + (slots[-1].key.size or 0)

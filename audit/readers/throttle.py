@@ -20,6 +20,9 @@ class ThrottledReader:
     def capacity(self) -> int:
         return self.reader.capacity
 
+    def order(self, keys):
+        return self.reader.order(keys)
+
     def fetch(self, slots, turn):
         """Start the batch only once every byte read so far, this batch's included, fits the budget."""
         now = time.monotonic()

@@ -111,9 +111,13 @@ def _read_here(settings, admin, store, keys, checker, options: ScanOptions, stop
         reader = base_reader = make_reader(settings, admin, store, keys, options, transfer)
     if options.max_bandwidth:
         reader = ThrottledReader(reader, options.max_bandwidth, stop)
+    first = len(records)
     try:
-        reason = _read_all(keys, reader, checker, options, stop, MasterWatch(admin, stop), checkpoint, evidence,
-                           emit, getattr(base_reader, "confirm", None), phases)
+        try:
+            reason = _read_all(keys, reader, checker, options, stop, MasterWatch(admin, stop), checkpoint, evidence,
+                               emit, getattr(base_reader, "confirm", None), phases)
+        finally:
+            records.sort_from(first)  # read in the reader's order (peek: by holder), reported in the listing's
         if hasattr(base_reader, "confirm"):
             with phases.phase("confirming shared content (peek)"):
                 confirm_shared(records, base_reader)

@@ -119,8 +119,8 @@ def scan_keys(keys: Sequence[KeyInfo], reader, checker, plan: CheckPlan | None =
               stop: threading.Event | None = None,
               on_batch: Callable[[list[KeyRecord]], None] | None = None, evidence=None,
               phases=None) -> Iterator[KeyRecord]:
-    """Read and check `keys`; yields each key's record once its batch is checked and `on_batch` has
-    seen it.
+    """Read and check `keys`, in the order the reader reads fastest (`reader.order`); yields each
+    key's record once its batch is checked and `on_batch` has seen it.
 
     `on_batch` (findings read again on peek reads, the checkpoint, the master's health) runs for
     batch i once batch i+1 has been fetched and before batch i+2 is asked for: a second read of a
@@ -129,7 +129,7 @@ def scan_keys(keys: Sequence[KeyInfo], reader, checker, plan: CheckPlan | None =
     thread's seconds waiting for fetches, checking and judging, and in `on_batch` are added to it.
     """
     plan = plan or CheckPlan()
-    batches = plan_batches(keys, reader.capacity)  # planned as they are read: slots for one batch ahead
+    batches = plan_batches(reader.order(keys), reader.capacity)  # planned as read: slots one batch ahead
     current = next(batches, None)
     if current is None:
         return

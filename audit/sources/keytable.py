@@ -183,6 +183,17 @@ class KeyTable(Sequence):
         endpoint = self._endpoint[row]
         return None if endpoint < 0 else (self._endpoints[endpoint], self._address[row], self.size(row))
 
+    def replica_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This view's (holder, address, size) per row as arrays: a holder is its endpoint's rank in
+        name order, -1 where the columns do not hold the row's replica (`in_columns`)."""
+        rank = np.append(np.argsort(np.argsort(np.array(self._endpoints, dtype=object))), -1).astype(np.int64)
+        endpoint = rank[np.frombuffer(self._endpoint, dtype=np.dtype(f"i{self._endpoint.itemsize}"))]
+        address = np.frombuffer(self._address, dtype=np.uint64)
+        if self._rows is None:
+            return endpoint, address.copy(), self.size_array()
+        rows = np.frombuffer(self._rows, dtype=np.uint64).astype(np.int64)
+        return endpoint[rows], address[rows], self.size_array()
+
     def split(self, keep: Callable[[KeyInfo], bool]) -> tuple[KeyTable, list[KeyInfo]]:
         """(the keys for which `keep` holds, as a view; the others), asking `keep` only of keys
         kept aside: a key with one memory replica in the columns is taken as kept."""
@@ -210,7 +221,11 @@ class KeyTable(Sequence):
         view = object.__new__(KeyTable)
         for name in ("_arena", "_ends", "_sizes", "_endpoint", "_address", "_endpoints", "_endpoint_ids", "_aside"):
             setattr(view, name, getattr(self, name))
-        view._rows = rows if isinstance(rows, array) else array("Q", rows)
+        if isinstance(rows, np.ndarray):
+            view._rows = array("Q")
+            view._rows.frombytes(rows.astype(np.uint64).tobytes())
+        else:
+            view._rows = rows if isinstance(rows, array) else array("Q", rows)
         return view
 
 

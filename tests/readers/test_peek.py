@@ -319,6 +319,60 @@ def test_a_failed_batch_is_retried_read_by_read_when_the_holder_answers(two_hold
     assert landing[:1000].tobytes() == landing[2000:].tobytes() == b"a" * 1000
 
 
+class _CountingEngine:
+    """The real transfer engine, with its batch reads counted (how many transfers each call made)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.transfers: list[int] = []
+
+    def batch_transfer_sync_read(self, endpoint, locals_, remotes, lengths):
+        self.transfers.append(len(locals_))
+        return self.engine.batch_transfer_sync_read(endpoint, locals_, remotes, lengths)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def test_neighbours_in_a_holders_memory_are_read_as_one_transfer(two_holders):
+    rng = np.random.default_rng(7)
+    prefix = "neighbours/"
+    values = {f"{prefix}{i:04d}": rng.integers(0, 256, 1024, dtype=np.uint8).tobytes() for i in range(600)}
+    for key, value in values.items():
+        two_holders.put(key, value)
+    listed = two_holders.listed(prefix)
+    peek = two_holders.peek(buffer_bytes=1 << 20)
+    counting = peek.transfer.engine = _CountingEngine(peek.transfer.engine)
+    try:
+        ordered = peek.order(listed)
+        first = list(plan_batches(ordered, peek.capacity))[0]
+        assert len({slot.key.replicas[0]["endpoint"] for slot in first}) == 2  # a batch reads both holders
+        assert [key.name for key in ordered] != [key.name for key in listed]  # listing order is not theirs
+        records = {record.key: record for record in scan_keys(listed, peek, HostChecker())}
+    finally:
+        peek.close()
+    assert {key: record.xxh3 for key, record in records.items()} == \
+        {key: xxhash.xxh3_64_intdigest(value) for key, value in values.items()}
+    assert sum(counting.transfers) <= len(values) // 20, counting.transfers  # ~600 reads were a handful
+
+
+def test_a_failed_run_of_neighbours_is_retried_read_by_read(two_holders):
+    two_holders.put("run/key", b"r" * 1024)
+    replica = two_holders.listed("run/")[0].replicas[0]
+    transfer = RawTransfer(two_holders.settings)
+    landing = np.zeros(130 << 20, np.uint8)
+    base = landing.ctypes.data
+    transfer.register_buffer(base, landing.nbytes)
+    try:  # the second read runs past the end of the holder's 128 MB segment: the run of both is refused
+        codes = transfer.read([RawRead(replica["endpoint"], base, replica["address"], 1024),
+                               RawRead(replica["endpoint"], base + 1024, replica["address"] + 1024, 129 << 20)])
+    finally:
+        transfer.unregister_buffer(base)
+        transfer.close()
+    assert codes == [0, TRANSFER_FAIL]
+    assert landing[:1024].tobytes() == b"r" * 1024
+
+
 @pytest.fixture(scope="module")
 def doomed():
     """Two holders, and a client TTL long enough that a silent holder's replicas stay listed."""

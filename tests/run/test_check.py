@@ -213,6 +213,29 @@ def test_a_peek_check_leaves_keys_removable_a_lease_scan_does_not(publisher, cli
     assert publisher.store.remove(namespace + "leased", False) == -706  # OBJECT_HAS_LEASE for the TTL
 
 
+def test_a_peek_scan_reads_by_holder_and_reports_as_a_lease_scan_does(publisher, cli_args, namespace):
+    """Peek reads go in holder and address order (audit.readers.order), not the listing's; the
+    report is the same as a lease scan's, key for key in listing order, shared groups numbered alike."""
+    for i in range(240):
+        value = bytes(4096) if i % 17 == 0 else bytes([i % 5 + 1]) * 4096 if i % 3 == 0 else bytes([i % 251 + 1, 9]) * 2048
+        publisher.put(f"{namespace}k{i:04d}", value)
+
+    def scan(mode):
+        result = run_cli("scan", *cli_args, "--prefix", namespace, "--read-mode", mode, "--format", "json", "--all",
+                         "--no-progress")
+        assert result.exit_code == 1, result.output
+        return json.loads(result.stdout)
+
+    def judged(report):
+        return [(r["key"], r["xxh3"], r["verdicts"]) for r in report["keys"]]
+
+    peeked, leased = scan("peek"), scan("lease")
+    assert judged(peeked) == judged(leased) and len(judged(peeked)) == 240
+    assert [r["key"] for r in peeked["keys"]] != sorted(r["key"] for r in peeked["keys"])  # listing order: a hash's
+    assert peeked["shared_groups"] == leased["shared_groups"] and len(peeked["shared_groups"]) >= 5
+    assert peeked["summary"]["verdicts"] == leased["summary"]["verdicts"]
+
+
 def test_peek_reads_confirm_findings_and_report_replica_digests(publisher, cli_args, namespace):
     publisher.put(namespace + "zero", bytes(8192))
     code, report = _check(cli_args, namespace)

@@ -131,6 +131,9 @@ class _Reader:
         self.fetched: list[int] = []
         self.SimpleNamespace = SimpleNamespace
 
+    def order(self, keys):
+        return keys
+
     def fetch(self, slots, turn):
         from audit.readers.buffers import FetchedBatch
 
