@@ -127,3 +127,16 @@ def test_sglang_warmup_keys():
 ])
 def test_near_producer_keys_are_opaque(key):
     assert parse_key(key) == {"scheme": "opaque"}
+
+
+@pytest.mark.parametrize("text", ["", "0", "deadBEEF", "4c499327637fdb82000000000000b3fa", "0x1f", "ab\n", " ab",
+                                  "ab ", "1_2", "-1", "+f", "é", "ＡＢ", "g", "abc@", "١٢"])
+def test_a_chunk_hash_is_hex_digits_as_the_pattern_reads_them(text):
+    """`is_hex` (what splits every listed key's stem from its chunk hash) against the regular
+    expression it stands in for."""
+    import re
+
+    from audit.producers.vllm import is_hex, split_stem
+
+    assert is_hex(text) == bool(re.fullmatch(r"[0-9a-fA-F]+", text))
+    assert split_stem(f"m@tp_rank:0@{text}") == (("m@tp_rank:0", text) if is_hex(text) else None)

