@@ -120,10 +120,10 @@ def test_a_listing_that_sized_every_key_stretches_no_interval(tmp_path, monkeypa
 def test_keys_are_read_ahead_of_the_period_by_the_backlog_they_need():
     from audit.run.watch import read_ahead_s
 
-    assert read_ahead_s(86400, 10, 0, None) == 10             # no cap: one interval early
-    assert read_ahead_s(86400, 10, 1_000_000, None) == 10
-    assert read_ahead_s(86400, 10, 5_000_000, 100_000) == 60  # 50 s of backlog at the cap, plus an interval
-    assert read_ahead_s(60, 2, 10_000_000, 262_144) == 12     # at most a fifth of the period
+    assert read_ahead_s(86400, 10, 0, None) == 30             # no cap: two intervals and the client TTL early
+    assert read_ahead_s(86400, 10, 1_000_000, None) == 30
+    assert read_ahead_s(86400, 10, 5_000_000, 100_000) == 80  # 50 s of backlog at the cap, plus those
+    assert read_ahead_s(60, 2, 10_000_000, 262_144) == 15     # at most a quarter of the period
 
 
 def test_due_keys_include_those_within_the_read_ahead_and_chunks_are_settled_later(tmp_path):
@@ -142,10 +142,10 @@ def test_due_keys_include_those_within_the_read_ahead_and_chunks_are_settled_lat
             state.verified([KeyRecord(key=name, size=1000, fields=None, xxh3=1, zero=False,
                                       verdicts=["NULL_BACKED"] if name == rank0 else [])], at, lambda found: None)
         period, now = 100.0, 205.0  # "old" is past its period, "near" 5 s short of it
-        assert state.bytes_before(now - 0.8 * period) == 2000
+        assert state.bytes_before(now - 0.75 * period) == 2000
         assert state.due(now - period, None) == ["old"]
-        ahead = read_ahead_s(period, 2.0, state.bytes_before(now - 0.8 * period), 500.0)
-        assert ahead == 6.0 and state.due(now - period + ahead, None) == ["old", "near"]
+        ahead = read_ahead_s(period, 2.0, state.bytes_before(now - 0.75 * period), 500.0)
+        assert ahead == 18.0 and state.due(now - period + ahead, None) == ["old", "near"]
         # a key judged in a record round: the listing shows its chunk lacks rank 1, its other verdicts stay
         chunks = ChunkIndex.of([(rank0, 1000), (vllm_key("m", "c1", tp_rank=0), 1000),
                                 (vllm_key("m", "c1", tp_rank=1), 1000)])

@@ -47,7 +47,8 @@ LISTINGS_MEDIAN = 5      # ... judged on the median of this many last listings t
 MAX_BACKOFF_S = 60.0
 SLICE_S = 0.25           # between rounds, the record files are looked at this often
 PENDING_S = 30.0         # a key a record names that the store does not hold yet is looked for this long
-READ_AHEAD_SHARE = 0.2   # keys are re-read at most this share of the period before it runs out
+READ_AHEAD_SHARE = 0.25  # keys are re-read at most this share of the period before it runs out
+MASTER_CLIENT_TTL_S = 10.0  # Mooncake's default --client_ttl: a dead holder's keys stay listed, unreadable, this long
 FULL_LISTING_EVERY = 10  # one listing in this many sizes every key; the others size only names not listed before
 
 
@@ -57,10 +58,12 @@ def stretched_interval(interval_s: float, listings_s, share: float = LISTING_SHA
 
 
 def read_ahead_s(period_s: float, interval_s: float, backlog_bytes: int, bandwidth: float | None) -> float:
-    """How long before its period runs out a key is re-read: one interval (the next round may come that
-    late), plus the seconds the bytes already inside the read-ahead margin need at the bandwidth cap; at
-    most READ_AHEAD_SHARE of the period. Keys verified together then fall due over time, not at once."""
-    lead = interval_s + (backlog_bytes / bandwidth if bandwidth else 0.0)
+    """How long before its period runs out a key is re-read: two intervals and the master's client
+    TTL (a key whose holder dies just before the round that would read it stays listed, unreadable,
+    for the TTL and is dropped by the next listing, all within its period), plus the seconds the bytes
+    already inside the read-ahead margin need at the bandwidth cap; at most READ_AHEAD_SHARE of the
+    period. Keys verified together then fall due over time, not at once."""
+    lead = 2 * interval_s + MASTER_CLIENT_TTL_S + (backlog_bytes / bandwidth if bandwidth else 0.0)
     return min(lead, READ_AHEAD_SHARE * period_s)
 
 
