@@ -3,18 +3,20 @@ and after a change, run in turn on one store, timed from spawn to reaped exit; t
 
     python -m benchmarks.paired --store empty --command scan --runs 7
     python -m benchmarks.paired --store mamba --keys 600 --command scan --command check --runs 5
+    python -m benchmarks.paired --store mamba --keys 2200 --dtype bfloat16 --command scan --command fetch-only
     python -m benchmarks.paired --store small --keys 200000 --command check --command fetch-only --runs 3
     python -m benchmarks.paired --store small --keys 200000 --command check --repo-before /tmp/base
 
 Stores (one `audit.cluster.LocalCluster` on loopback, one holder): `empty`; `mamba`, `--keys`
 mamba-130m TP 2 values (700,416 B of bf16 state, one in 50 all zero, `benchmarks.processes`'s
-producer) scanned with `--model-config mamba-130m-hf -tp 2`; `small`, `--keys` values of 256 B (one in
-97 all zero, `benchmarks.scale`'s producers). Commands: `scan` and `check` (`--format json --output
-FILE`, check with a `--state-dir` of its own per checkout), and `fetch-only` (`benchmarks.processes`'s
-script: the ceiling). The "before" checkout is `--repo-before` (default: HEAD, exported with `git
-archive` into a temporary directory); "after" is this working tree. Both run as
-`python -m cli ...` with their checkout alone on PYTHONPATH, from a neutral directory, bytecode cached
-after the first run (`--warmup` unmeasured runs of each first, default 1).
+producer) scanned with `--model-config mamba-130m-hf -tp 2` (and `--dtype`, where given: the layout
+whole); `small`, `--keys` values of 256 B (one in 97 all zero, `benchmarks.scale`'s producers).
+Commands: `scan` and `check` (`--format json --output FILE`, check with a `--state-dir` of its own
+per checkout), and `fetch-only` (`benchmarks.processes`'s script: the ceiling). The "before"
+checkout is `--repo-before` (default: HEAD, exported with `git archive` into a temporary directory);
+"after" is this working tree. Both run as `python -m cli ...` with their checkout alone on
+PYTHONPATH, from a neutral directory, bytecode cached after the first run (`--warmup` unmeasured
+runs of each first, default 1).
 
 Per command, rounds alternate A B, B A, ...; per run: wall seconds, CPU seconds and peak RSS of the
 child (`os.wait4`); the median of each, and the median of the per-pair ratios after / before. Every
@@ -107,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="reports with --all, compared key by key (else the summaries and findings)")
     parser.add_argument("--ignore-summary", action="append", default=[], metavar="FIELD",
                         help="a summary field the two checkouts word differently (e.g. layout_inference)")
+    parser.add_argument("--dtype", default=None,
+                        help="mamba store: also give the served dtype (--dtype), so no reading is left open")
     parser.add_argument("--repo-before", type=Path, default=None)
     parser.add_argument("--repo-after", type=Path, default=ROOT, help="the checkout after (default: this tree)")
     args = parser.parse_args(argv)
@@ -144,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             config.mkdir()
             (config / "config.json").write_text(json.dumps({**MAMBA_130M, "architectures": ["MambaForCausalLM"],
                                                             "torch_dtype": "bfloat16"}))
-            layout = ["--model-config", str(config), "-tp", "2"]
+            layout = ["--model-config", str(config), "-tp", "2", *(["--dtype", args.dtype] if args.dtype else [])]
         fetch = scratch / "fetch.py"
         fetch.write_text(processes.FETCH_ONLY)
         repos = {"before": checkout_before(args.repo_before, scratch), "after": args.repo_after.resolve()}
