@@ -154,3 +154,23 @@ def test_due_keys_include_those_within_the_read_ahead_and_chunks_are_settled_lat
         assert rank1 not in state.known()
     finally:
         state.close()
+
+
+def test_a_key_is_stamped_when_its_batch_was_read_not_when_the_round_commits(tmp_path):
+    """A round at a bandwidth cap can read for most of a period: its keys fall due as they were read,
+    spread over it, not all at the round's end."""
+    from audit.records import KeyRecord
+    from audit.run.watch_state import WatchState
+
+    state = WatchState(tmp_path)
+    try:
+        state.add_new({"early": 10, "late": 10, "unstamped": 10}, 0.0)
+        records = [KeyRecord(key=name, size=10, fields=None, xxh3=1, zero=False) for name in ("early", "late", "unstamped")]
+        state.verified(records, 100.0, lambda found: None, read_at={"early": 80.0, "late": 95.0})
+        stamps = dict(state.db.execute("SELECT name, last_verified FROM keys"))
+        assert stamps == {"early": 80.0, "late": 95.0, "unstamped": 100.0}
+        assert state.due(90.0, None) == ["early"]
+        state.verified(records, 200.0, lambda found: None, restamp=False, read_at={"early": 150.0})
+        assert dict(state.db.execute("SELECT name, last_verified FROM keys")) == stamps  # verdicts revised only
+    finally:
+        state.close()

@@ -239,9 +239,10 @@ class Watcher:
         state.add_new({key.name: key.size for key in keys}, now)
         state.unverify(set(found))  # a key verified before: the new record is new evidence
         self._fit_layouts(self.admin, keys)
-        records, earlier, lost = self._read(state, self.admin, keys, stop, keys_listed=len(keys), chunks=None)
+        records, earlier, lost, read_at = self._read(state, self.admin, keys, stop, keys_listed=len(keys),
+                                                     chunks=None)
         clear_chunk_verdicts(records + earlier)  # only the listing knows a chunk's other members:
-        self._commit(state, records, earlier)
+        self._commit(state, records, earlier, read_at)
         self._chunks_unjudged |= {record.key for record in records + earlier}  # the next round judges them
         self.metrics.record_rounds.inc()
         self.metrics.record_keys.inc(len(keys))
@@ -290,10 +291,10 @@ class Watcher:
         read = {key.name for key in keys}
         unjudged = [table.info(listed[name]) for name in self._chunks_unjudged if name in listed and name not in read]
         self._chunks_unjudged.clear()
-        records, earlier, lost = self._read(state, admin, keys, stop, keys_listed=len(listing.keys),
+        records, earlier, lost, read_at = self._read(state, admin, keys, stop, keys_listed=len(listing.keys),
                                             chunks=ChunkIndex.of_table(table) if keys or unjudged else None,
                                             unjudged=unjudged)
-        self._commit(state, records, earlier)  # what was judged before a lost master stands
+        self._commit(state, records, earlier, read_at)  # what was judged before a lost master stands
         if lost and signals.received is None:
             stop.clear()  # the master, not an operator, stopped the round: retry with backoff
             raise AuditError(lost)
@@ -408,21 +409,25 @@ class Watcher:
 
     def _read(self, state: WatchState, admin: AdminClient, keys: list[KeyInfo], stop: threading.Event,
               keys_listed: int, chunks: ChunkIndex | None,
-              unjudged: list[KeyInfo] = ()) -> tuple[list[KeyRecord], list[KeyRecord], str | None]:
+              unjudged: list[KeyInfo] = ()) -> tuple[list[KeyRecord], list[KeyRecord], str | None, dict[str, float]]:
         """The round's records, cross-key verdicts included; the earlier rounds' keys whose bytes they
         share, and the `unjudged` keys (judged in a record round) whose chunk verdicts the listing settles
-        now (verdicts revised, not read); why the master stopped the round, if it did."""
+        now (verdicts revised, not read); why the master stopped the round, if it did; when each key
+        was read (its batch came back), which is when it was verified, however long the round runs on."""
         rejudged = self._chunk_rejudge(state, unjudged, chunks) if unjudged else []
         if not keys:
             self.metrics.bytes_per_second.set(0)
-            return [], rejudged, None
+            return [], rejudged, None, {}
         reader = base = self._reader_for(admin, keys)
         if self.scan.max_bandwidth:
             reader = ThrottledReader(reader, self.scan.max_bandwidth, stop)
         watch = MasterWatch(admin, stop)
         started = time.perf_counter()
         hook = after_batch_hook(getattr(base, "confirm", None), None, watch)
-        records = list(scan_keys(keys, reader, self.checker, self.scan.plan, stop=stop, on_batch=hook))
+        records, read_at = [], {}
+        for record in scan_keys(keys, reader, self.checker, self.scan.plan, stop=stop, on_batch=hook):
+            records.append(record)
+            read_at[record.key] = time.time()
         earlier = state.same_content(records)
         if hasattr(base, "confirm") and not watch.lost:
             confirm_shared(records + earlier, base)
@@ -431,7 +436,7 @@ class Watcher:
         self.metrics.bytes_scanned.inc(read_bytes)
         self.metrics.bytes_per_second.set(read_bytes / elapsed if elapsed > 0 else 0)
         merge_records(records + earlier, context={}, keys_listed=keys_listed, chunks=chunks)  # cross-key verdicts
-        return records, earlier + rejudged, watch.lost
+        return records, earlier + rejudged, watch.lost, read_at
 
     @staticmethod
     def _chunk_rejudge(state: WatchState, keys: list[KeyInfo], chunks: ChunkIndex | None) -> list[KeyRecord]:
@@ -445,7 +450,8 @@ class Watcher:
             record.evidence.update({k: v for k, v in probe.evidence.items() if k not in record.evidence})
         return stored
 
-    def _commit(self, state: WatchState, records: list[KeyRecord], earlier: list[KeyRecord]) -> None:
+    def _commit(self, state: WatchState, records: list[KeyRecord], earlier: list[KeyRecord],
+                read_at: dict[str, float]) -> None:
         now = time.time()
         vanished = {r.key for r in records if Verdict.VANISHED in r.verdicts}
         raced = {r.key for r in records if Verdict.MOVED in r.verdicts}  # read again next round
@@ -456,7 +462,7 @@ class Watcher:
         first_seen = state.first_seen(r.key for r in judged)
         for seen in first_seen.values():
             self.metrics.first_seen_to_verified.observe(max(now - seen, 0.0))
-        state.verified(judged, now, self._append_findings)
+        state.verified(judged, now, self._append_findings, read_at=read_at)
         state.verified(earlier, now, self._append_findings, restamp=False)
 
     def _append_findings(self, records: list[KeyRecord]) -> None:

@@ -125,10 +125,11 @@ class WatchState:
             "(SELECT value FROM json_each(?))", (json.dumps(sorted(names)),))]
 
     def verified(self, records: list[KeyRecord], now: float, on_new_findings: Callable[[list[KeyRecord]], None],
-                 restamp: bool = True) -> None:
-        """Store the verdicts of records read to a verdict (`restamp` False: verdicts revised without a
-        read, the stamps stay). The records whose findings are new go to `on_new_findings` before the
-        commit: a crash between the two repeats them next time rather than losing them."""
+                 restamp: bool = True, read_at: dict[str, float] | None = None) -> None:
+        """Store the verdicts of records read to a verdict, each stamped when it was read (`read_at`,
+        else `now`; `restamp` False: verdicts revised without a read, the stamps stay). The records
+        whose findings are new go to `on_new_findings` before the commit: a crash between the two
+        repeats them next time rather than losing them."""
         previous = {name: set(json.loads(verdicts)) for name, verdicts in self.db.execute(
             "SELECT name, verdicts FROM keys WHERE name IN (SELECT value FROM json_each(?))",
             (json.dumps([record.key for record in records]),))}
@@ -137,11 +138,12 @@ class WatchState:
             for record in records:
                 if record.is_finding and not set(record.verdicts) <= previous.get(record.key, set()):
                     new_findings.append(record)
+                stamp = (read_at or {}).get(record.key, now) if restamp else None
                 self.db.execute(
                     "UPDATE keys SET size = ?, last_verified = COALESCE(?, last_verified), "
                     "first_verified = COALESCE(first_verified, ?), digest = ?, verdicts = ?, finding = ?, severity = ? "
                     "WHERE name = ?",
-                    (record.size, now if restamp else None, now if restamp else None,
+                    (record.size, stamp, stamp,
                      None if record.xxh3 is None else f"{record.xxh3:016x}",
                      json.dumps(sorted(record.verdicts)), int(record.is_finding),
                      None if record.severity is None else str(record.severity), record.key))
