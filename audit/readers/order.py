@@ -41,9 +41,16 @@ def holder_order(endpoint: np.ndarray, address: np.ndarray, size: np.ndarray, ca
     return np.concatenate([by_place[np.lexsort((rank, group, turn))], unplaced])
 
 
-def _placed(keys: Sequence[KeyInfo]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(holder, address, size) per key, as `KeyTable.replica_columns` gives them: the key's one
-    memory replica of its own size, its holder the endpoint's rank in name order, else -1."""
+def _by_name(endpoints: list[str], holder: np.ndarray) -> np.ndarray:
+    """Holder indices into `endpoints` as the endpoints' ranks in name order (-1 stays -1), so that
+    holders take turns in the same order however the keys came."""
+    rank = np.append(np.argsort(np.argsort(np.array(endpoints, dtype=object))), -1).astype(np.int64)
+    return rank[holder]  # rank[-1]: -1
+
+
+def _placed(keys: Sequence[KeyInfo]) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """As `KeyTable.replica_columns` gives them: the holders' endpoints and (holder, address, size)
+    per key, from the key's one memory replica of its own size; holder -1 for any other key."""
     ids: dict[str, int] = {}
     endpoint = np.full(len(keys), -1, dtype=np.int64)
     address = np.zeros(len(keys), dtype=np.uint64)
@@ -57,15 +64,15 @@ def _placed(keys: Sequence[KeyInfo]) -> tuple[np.ndarray, np.ndarray, np.ndarray
                 and key.size is not None and only.get("size") == key.size):
             endpoint[i] = ids.setdefault(where, len(ids))
             address[i], size[i] = at, key.size
-    rank = np.append(np.argsort(np.argsort(np.array(list(ids), dtype=object))), -1).astype(np.int64)
-    return rank[endpoint], address, size  # rank[-1]: -1
+    return list(ids), endpoint, address, size
 
 
 def in_reading_order(keys: Sequence[KeyInfo], capacity: int) -> Sequence[KeyInfo]:
     """`keys` in `holder_order`: a view of a KeyTable, a list otherwise."""
-    if isinstance(keys, KeyTable):
-        endpoint, address, size = keys.replica_columns()
-        order = holder_order(endpoint, address, size, capacity)
+    table = isinstance(keys, KeyTable)
+    keys = keys if table else list(keys)
+    endpoints, holder, address, size = keys.replica_columns() if table else _placed(keys)
+    order = holder_order(_by_name(endpoints, holder), address, size, capacity)
+    if table:
         return keys.subset(np.frombuffer(keys.rows(), dtype=np.uint64)[order])
-    keys = list(keys)
-    return [keys[i] for i in holder_order(*_placed(keys), capacity)]
+    return [keys[i] for i in order]

@@ -167,8 +167,8 @@ class KeyTable(Sequence):
         return array("Q", range(len(self._ends))) if self._rows is None else self._rows
 
     def names(self) -> Iterator[str]:
-        for row in (range(len(self._ends)) if self._rows is None else self._rows):
-            yield self.name(row)
+        for _, name, _ in self.named_rows():
+            yield name
 
     def size_column(self) -> array:
         """Every table row's size (-1: unknown), for array operations over many rows."""
@@ -191,16 +191,16 @@ class KeyTable(Sequence):
         endpoint = self._endpoint[row]
         return None if endpoint < 0 else (self._endpoints[endpoint], self._address[row], self.size(row))
 
-    def replica_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """This view's (holder, address, size) per row as arrays: a holder is its endpoint's rank in
-        name order, -1 where the columns do not hold the row's replica (`in_columns`)."""
-        rank = np.append(np.argsort(np.argsort(np.array(self._endpoints, dtype=object))), -1).astype(np.int64)
-        endpoint = rank[np.frombuffer(self._endpoint, dtype=np.dtype(f"i{self._endpoint.itemsize}"))]
+    def replica_columns(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+        """The holders' endpoints, and this view's (holder, address, size) per row as arrays: a holder
+        is an index into those endpoints, -1 where the columns do not hold the row's replica
+        (`in_columns`)."""
+        endpoint = np.frombuffer(self._endpoint, dtype=np.dtype(f"i{self._endpoint.itemsize}")).astype(np.int64)
         address = np.frombuffer(self._address, dtype=np.uint64)
         if self._rows is None:
-            return endpoint, address.copy(), self.size_array()
+            return list(self._endpoints), endpoint, address.copy(), self.size_array()
         rows = np.frombuffer(self._rows, dtype=np.uint64).astype(np.int64)
-        return endpoint[rows], address[rows], self.size_array()
+        return list(self._endpoints), endpoint[rows], address[rows], self.size_array()
 
     def split(self, keep: Callable[[KeyInfo], bool]) -> tuple[KeyTable, list[KeyInfo]]:
         """(the keys for which `keep` holds, as a view; the others), asking `keep` only of keys
