@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from audit.keys import parse_key
+from audit.keys import parse_key, split_stem
 
 
 class Verdict(StrEnum):
@@ -91,6 +91,12 @@ class KeyInfo:
 
     def parsed_fields(self) -> dict:
         return self.fields if self.fields is not None else parse_key(self.name)
+
+    def stem(self) -> str:
+        """Its name without a trailing `@{hex}` chunk hash: keys of one stem differ only in their
+        chunk hash, so what their fields say of model, group and ranks is parsed once a stem."""
+        split = split_stem(self.name)
+        return self.name if split is None else split[0]
 
 
 @dataclass(slots=True)

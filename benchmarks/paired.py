@@ -9,8 +9,9 @@ and after a change, run in turn on one store, timed from spawn to reaped exit; t
 
 Stores (one `audit.cluster.LocalCluster` on loopback, one holder): `empty`; `mamba`, `--keys`
 mamba-130m TP 2 values (700,416 B of bf16 state, one in 50 all zero, `benchmarks.processes`'s
-producer) scanned with `--model-config mamba-130m-hf -tp 2` (and `--dtype`, where given: the layout
-whole); `small`, `--keys` values of 256 B (one in 97 all zero, `benchmarks.scale`'s producers).
+producer) scanned with `--model-config mamba-130m-hf -tp 2` (and, with `--dtype`, that dtype as
+`--dtype` and `--mamba-ssm-cache-dtype`: the layout whole, no reading left open; `--dtype` alone
+leaves the ssm state's dtype open, bfloat16 against float16); `small`, `--keys` values of 256 B (one in 97 all zero, `benchmarks.scale`'s producers).
 Commands: `scan` and `check` (`--format json --output FILE`, check with a `--state-dir` of its own
 per checkout), and `fetch-only` (`benchmarks.processes`'s script: the ceiling). The "before"
 checkout is `--repo-before` (default: HEAD, exported with `git archive` into a temporary directory);
@@ -110,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ignore-summary", action="append", default=[], metavar="FIELD",
                         help="a summary field the two checkouts word differently (e.g. layout_inference)")
     parser.add_argument("--dtype", default=None,
-                        help="mamba store: also give the served dtype (--dtype), so no reading is left open")
+                        help="mamba store: also give the served dtype (--dtype and --mamba-ssm-cache-dtype), "
+                             "so no reading is left open")
     parser.add_argument("--repo-before", type=Path, default=None)
     parser.add_argument("--repo-after", type=Path, default=ROOT, help="the checkout after (default: this tree)")
     args = parser.parse_args(argv)
@@ -148,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             config.mkdir()
             (config / "config.json").write_text(json.dumps({**MAMBA_130M, "architectures": ["MambaForCausalLM"],
                                                             "torch_dtype": "bfloat16"}))
-            layout = ["--model-config", str(config), "-tp", "2", *(["--dtype", args.dtype] if args.dtype else [])]
+            given = ["--dtype", args.dtype, "--mamba-ssm-cache-dtype", args.dtype] if args.dtype else []
+            layout = ["--model-config", str(config), "-tp", "2", *given]
         fetch = scratch / "fetch.py"
         fetch.write_text(processes.FETCH_ONLY)
         repos = {"before": checkout_before(args.repo_before, scratch), "after": args.repo_after.resolve()}

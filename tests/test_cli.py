@@ -124,3 +124,31 @@ def test_version():
 
     result = run_cli("--version")
     assert result.exit_code == 0 and result.stdout.strip() == f"mooncake-audit {__version__}"
+
+
+def test_a_command_line_builds_only_the_command_it_names():
+    """The process entry keeps only the named command (typer builds every command's options at
+    start-up); the top-level help still lists every command, an unknown name is still an error."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        code = ("import sys, cli; sys.argv = ['mooncake-audit', *sys.argv[1:]]; "
+                "import atexit; atexit.register(lambda: print('COMMANDS', len(cli.app.registered_commands), "
+                "file=sys.stderr)); cli.main()")
+        return subprocess.run([sys.executable, "-c", code, *args], cwd=root, capture_output=True, text=True,
+                              timeout=60)
+
+    everything = run("--help")
+    named = run("scan", "--help")
+    unknown = run("no-such-command")
+    assert everything.returncode == 0 and "│ scan" in everything.stdout and "│ impact" in everything.stdout
+    total = int(everything.stderr.split("COMMANDS")[1])
+    assert total >= 10
+    assert named.returncode == 0 and "Usage: mooncake-audit scan [OPTIONS]" in named.stdout
+    assert int(named.stderr.split("COMMANDS")[1]) == 1
+    assert unknown.returncode == 2 and "No such command 'no-such-command'" in unknown.stderr
+    assert int(unknown.stderr.split("COMMANDS")[1]) == total

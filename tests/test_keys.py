@@ -140,3 +140,32 @@ def test_a_chunk_hash_is_hex_digits_as_the_pattern_reads_them(text):
 
     assert is_hex(text) == bool(re.fullmatch(r"[0-9a-fA-F]+", text))
     assert split_stem(f"m@tp_rank:0@{text}") == (("m@tp_rank:0", text) if is_hex(text) else None)
+
+
+@pytest.mark.parametrize("key", [
+    vllm_key("Qwen/Qwen3-0.6B", "ab12"), vllm_key("m", "ff", group=2, cache_prefix="tenant@a"),
+    vllm_key("m", "ff", store_namespace="@store_tp:2@store_pp:0@store_format:tp_shared_lbhnc"),
+    "m@tp_rank:x@pp_rank:0@ab",            # vLLM's markers, not its shape: nobody's
+    "m@store_pp:1@00", "fmt@model@1@0@ab12",  # the first a claim, the second LMCache's
+    "sglang_0_k", "tenant/plain-key", "",
+])
+def test_a_key_vllm_claims_is_one_its_parser_answers_for(key):
+    """`claims` (the cheap look that lets vLLM's keys skip being read by a model config) is true
+    exactly where vLLM's parser answers, with vLLM's fields or as nobody's."""
+    from audit.producers import parse_key
+    from audit.producers.vllm import VLLM, claims
+
+    assert claims(key) == (VLLM().parse(key) is not None)
+    if claims(key):
+        assert parse_key(key)["scheme"] in ("vllm", "opaque")
+
+
+def test_a_vllm_key_naming_a_configured_model_is_not_read_by_the_config():
+    """A config's model in a vLLM key's name does not make its value one to read by that config
+    (LMCache's and SGLang's are): vLLM's values are read by their layouts."""
+    from audit.judge.values import may_be_configured
+
+    configs = {"Qwen3-0.6B": {}}
+    assert not may_be_configured(vllm_key("Qwen/Qwen3-0.6B", "ab12"), configs)
+    assert may_be_configured("vllm@Qwen3-0.6B@1@0@ab12", configs)
+    assert not may_be_configured("vllm@other@1@0@ab12", configs)

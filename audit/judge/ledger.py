@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+import xxhash
 
 from audit.records import KeyInfo, KeyRecord, Verdict
 from audit.sources.keytable import KeyTable
@@ -170,10 +171,22 @@ class RecordLedger:
         slot = self._order[index]
         return self._kept[-1 - slot] if slot < 0 else self._plain_record(slot)
 
-    def names(self) -> Iterator[str]:
-        """Every record's key name, without making the records."""
-        for slot in self._order:
-            yield self._kept[-1 - slot].key if slot < 0 else self._name(self._ordinal[slot])
+    def name_hashes(self) -> np.ndarray:
+        """XXH3-64 of every record's key name (of its UTF-8 bytes, surrogateescape), in order, without
+        making the records: a listed key's from the listing's bytes (`KeyTable.name_hashes`)."""
+        order = np.frombuffer(self._order, dtype=np.int64)
+        hashes = np.empty(len(order), dtype=np.uint64)
+        plain = order >= 0
+        ordinals = np.frombuffer(self._ordinal, dtype=np.int64)[order[plain]]
+        listed = ordinals >= 0
+        found = np.empty(len(ordinals), dtype=np.uint64)
+        found[listed] = self.table.name_hashes(ordinals[listed])
+        found[~listed] = self._others.name_hashes(-1 - ordinals[~listed])
+        hashes[plain] = found
+        digest = xxhash.xxh3_64_intdigest
+        hashes[~plain] = [digest(self._kept[-1 - slot].key.encode("utf-8", "surrogateescape"))
+                          for slot in order[~plain].tolist()]
+        return hashes
 
     def _name(self, ordinal: int) -> str:
         return self.table.name(ordinal) if ordinal >= 0 else self._others.name(-1 - ordinal)

@@ -11,7 +11,6 @@ from audit.judge.readings import SAMPLE_KEYS, choose_reading
 from audit.layouts.infer import (MANIFEST_FLAG, LayoutRequest, describe_reading, infer_layouts, observed_sizes,
                                  settling_flags)
 from audit.layouts.manifest import ProducerManifests, read_manifests
-from audit.producers import split_stem
 from audit.records import KeyInfo
 
 
@@ -148,8 +147,7 @@ class CheckPlan:
         """Keys that differ only in their chunk hash share a layout: parse one key per stem."""
         if not self.layouts:
             return None
-        split = split_stem(key.name)  # no chunk hash: this key is not vLLM's, or not like its stem's
-        stem = key.name if split is None else split[0]
+        stem = key.stem()  # no chunk hash: this key is not vLLM's, or not like its stem's
         if stem not in self._cache:
             fields = key.parsed_fields()
             if fields.get("scheme") != "vllm" or fields.get("store_format") in _SHARDED_FORMATS:

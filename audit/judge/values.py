@@ -10,6 +10,7 @@ import numpy as np
 
 from audit.judge.readings import choose_reading
 from audit.producers import HEAD_BYTES, ValueReading, describes_itself, parse_key, producer_of, read_value
+from audit.producers.vllm import claims as vllm_claims
 from audit.records import KeyRecord, Verdict
 
 # What a contradiction is, by the part of the value it is in.
@@ -31,8 +32,10 @@ def model_configs(requests) -> dict[str, dict]:
 
 
 def may_be_configured(name: str, configs: dict[str, dict]) -> bool:
-    """Whether key `name` may name one of `configs`' models (a cheap look, no parsing)."""
-    return any(model in name for model in configs)
+    """Whether key `name` may name one of `configs`' models and belong to a producer that reads
+    values by config (a cheap look, no parsing): a key with vLLM's markers is vLLM's, whose values
+    are read by their layouts, never by a config."""
+    return any(model in name for model in configs) and not vllm_claims(name)
 
 
 def value_reading(name: str, view, configs: dict[str, dict] | None = None,

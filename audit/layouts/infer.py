@@ -43,16 +43,24 @@ class GroupSizes:
 def observed_sizes(keys: Iterable) -> dict[tuple[str, int], GroupSizes]:
     """Per (model, group) of the listed vLLM keys: how many, and of which sizes."""
     groups: dict[tuple[str, int], GroupSizes] = defaultdict(GroupSizes)
+    stems: dict[str, tuple | None] = {}  # keys of one stem differ only in their chunk hash: parsed once
     for key in keys:
         if key.size is None:
             continue
-        fields = key.parsed_fields()
-        if fields.get("scheme") != "vllm" or str(fields.get("store_format", "")).startswith("tp_shared_"):
+        stem = key.stem()
+        if stem in stems:
+            entry = stems[stem]
+        else:
+            fields = key.parsed_fields()
+            entry = stems[stem] = (
+                None if fields.get("scheme") != "vllm" or str(fields.get("store_format", "")).startswith("tp_shared_")
+                else (fields["model"], fields.get("group", 0), fields.get("tp_rank")))
+        if entry is None:
             continue
-        slot = groups[(fields["model"], fields.get("group", 0))]
+        model, group, rank = entry
+        slot = groups[(model, group)]
         slot.keys += 1
         slot.sizes[key.size] += 1
-        rank = fields.get("tp_rank")
         if isinstance(rank, int) and rank > slot.max_tp_rank:
             slot.max_tp_rank = rank
     return dict(groups)

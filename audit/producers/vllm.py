@@ -50,6 +50,12 @@ def split_stem(key: str) -> tuple[str, str] | None:
     return (stem, tail) if stem and is_hex(tail) else None
 
 
+def claims(key: str) -> bool:
+    """Whether the key is vLLM's or nobody's (it has vLLM's markers): `VLLM.parse` answers for it,
+    and no other producer is asked. A cheap look: no pattern is matched."""
+    return any(marker in key for marker in _MARKERS)
+
+
 def vllm_key(model: str, chunk_hash: str, *, tp_rank: int = 0, pcp: int = 0, dcp: int = 0,
              pp_rank: int = 0, group: int | None = 0, cache_prefix: str = "",
              store_namespace: str = "") -> str:
@@ -73,7 +79,7 @@ class VLLM(Producer):
             if tp := _RANK_LOCAL_TP.match(fields.get("store_format", "")):
                 fields["producer_tp"] = int(tp.group(1))  # the producer's TP size, said by the key
             return fields
-        if any(marker in key for marker in _MARKERS):
+        if claims(key):
             return dict(OPAQUE)  # claimed: vLLM's shape, not vLLM's key
         return None
 

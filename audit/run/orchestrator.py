@@ -341,7 +341,7 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
             checkpoint.close()
         if state is not None:
             with phases.phase("state dir (keys seen)"):
-                state.remember(records.names())
+                state.remember(records.name_hashes())
     context["finished_at"] = _now()
     with phases.phase("merge (cross-key verdicts, summary)"):
         report = merge_records(records, context=context, keys_listed=max(keys_listed, len(records)),

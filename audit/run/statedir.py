@@ -18,12 +18,11 @@ SEEN_NAME = "seen-keys.npy"  # sorted XXH3-64 of key names: 8 bytes a key, a mil
 BLOCK = 65_536               # names hashed at a time
 
 
-def _name_hashes(names) -> np.ndarray:
-    """The sorted, distinct XXH3-64 of `names` (one array: no set or list of Python ints)."""
-    names = names if isinstance(names, list) else list(names)
-    hashes = np.fromiter((xxhash.xxh3_64_intdigest(name.encode("utf-8", "surrogateescape")) for name in names),
-                         dtype=np.uint64, count=len(names))
-    return np.unique(hashes)
+def _hashes(names: list[str]) -> np.ndarray:
+    """The XXH3-64 of each name's UTF-8 bytes (surrogateescape), as the seen set keeps them."""
+    digest = xxhash.xxh3_64_intdigest
+    return np.fromiter((digest(name.encode("utf-8", "surrogateescape")) for name in names),
+                       dtype=np.uint64, count=len(names))
 
 
 class StateDir:
@@ -57,19 +56,14 @@ class StateDir:
             if seen.size == 0:
                 new.update(block)
                 continue
-            hashes = np.fromiter((xxhash.xxh3_64_intdigest(n.encode("utf-8", "surrogateescape")) for n in block),
-                                 dtype=np.uint64, count=len(block))
-            known = np.isin(hashes, seen)
+            known = np.isin(_hashes(block), seen)
             new.update(name for name, was_seen in zip(block, known) if not was_seen)
         return new
 
-    def remember(self, names: Iterable[str]) -> None:
-        """Add `names` to the seen set (hashed a block at a time: 8 bytes a name, never a set of names)."""
-        blocks = [self._seen()]
-        names = iter(names)
-        while block := list(islice(names, BLOCK)):
-            blocks.append(_name_hashes(block))
-        merged = np.unique(np.concatenate(blocks))
+    def remember(self, hashes: np.ndarray) -> None:
+        """Add names to the seen set by their XXH3-64 (`RecordLedger.name_hashes`): 8 bytes a name,
+        never a set of names."""
+        merged = np.unique(np.concatenate([self._seen(), np.asarray(hashes, dtype=np.uint64)]))
         temp = self.path / f".{SEEN_NAME}.{os.getpid()}"
         with open(temp, "wb") as handle:
             np.save(handle, merged)

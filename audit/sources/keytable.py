@@ -14,6 +14,7 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
+import xxhash
 
 from audit.records import KeyInfo
 
@@ -161,6 +162,16 @@ class KeyTable(Sequence):
         for row in (range(len(self._ends)) if self._rows is None else self._rows):
             size = sizes[row]
             yield row, arena[ends[row - 1] if row else 0:ends[row]].decode(*_ENCODING), None if size < 0 else size
+
+    def name_hashes(self, rows: np.ndarray) -> np.ndarray:
+        """XXH3-64 of the names of table rows `rows` (ordinals), hashed from the listing's bytes as
+        kept: `xxh3_64_intdigest(name.encode("utf-8", "surrogateescape"))` of each, no name decoded."""
+        digest, arena, ends = xxhash.xxh3_64_intdigest, memoryview(self._arena), self._ends
+        try:
+            return np.fromiter((digest(arena[ends[row - 1] if row else 0:ends[row]]) for row in rows.tolist()),
+                               dtype=np.uint64, count=len(rows))
+        finally:
+            arena.release()  # the arena may grow again
 
     def rows(self) -> array:
         """The table rows this view holds, in order."""

@@ -15,7 +15,7 @@ import xxhash
 from audit.records import KeyInfo, KeyRecord
 from audit.run.phases import Phases, process_age_s
 from audit.run.scan import scan_keys
-from audit.run.statedir import StateDir, _name_hashes
+from audit.run.statedir import StateDir
 from tests.helpers import run_cli
 
 ZERO_EVERY = 7
@@ -195,16 +195,31 @@ def test_a_stop_between_batches_ends_after_the_batch_in_hand():
     assert yielded == [key.name for key in keys[:8]]
 
 
-def test_seen_key_hashes_are_the_sorted_distinct_digests(tmp_path):
+def test_seen_keys_are_remembered_by_the_digests_of_their_names(tmp_path):
+    """A check remembers the keys it read by the XXH3-64 of their names, as the ledger gives them
+    (listed rows hashed from the listing's bytes, a named key's and a finding's from their names),
+    and the next run knows them by the same digests, an undecodable byte included."""
+    from audit.judge.ledger import RecordLedger
+    from audit.records import KeyInfo, KeyRecord, Verdict
+    from audit.sources.keytable import KeyTable
+
     names = [f"key-{i % 700}\udcff" if i % 3 else f"key-{i}" for i in range(3000)]
-    reference = np.array(sorted({xxhash.xxh3_64_intdigest(n.encode("utf-8", "surrogateescape")) for n in names}),
-                         dtype=np.uint64)
-    assert np.array_equal(_name_hashes(names), reference)
-    assert np.array_equal(_name_hashes(iter(names)), reference)
+    table = KeyTable.of(KeyInfo(name=name, size=8) for name in names[:1000])
+    ledger = RecordLedger(table)
+    for row, name in enumerate(names[:1000]):
+        record = KeyRecord(key=name, size=8, fields=None, xxh3=row, zero=False, ordinal=row)
+        if row % 250 == 0:
+            record.verdicts.append(Verdict.ZERO_VALUE)  # kept whole
+        ledger.add(record)
+    ledger.add(KeyRecord(key="tenant-b/named\udcfe", size=8, fields=None, xxh3=1, zero=False))  # no listed row
+    expected = [xxhash.xxh3_64_intdigest(name.encode("utf-8", "surrogateescape"))
+                for name in [*names[:1000], "tenant-b/named\udcfe"]]
+    assert ledger.name_hashes().tolist() == expected
     state = StateDir(tmp_path)
     try:
-        state.remember(names[:1000])
+        state.remember(ledger.name_hashes())
         assert state.new_keys(names) == set(names[1000:]) - set(names[:1000])
+        assert state.new_keys(["tenant-b/named\udcfe", "fresh"]) == {"fresh"}
     finally:
         state.release()
 
