@@ -26,13 +26,14 @@ previous implementation and compares the two.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
 from audit.checks.floats import SCREENS, count_nonfinite, element_maxima, fires_any
-from audit.checks.types import ByIdentity, RegionCheck, fast_constructor, make_region_check
+from audit.checks.types import ByIdentity, CleanRegions, RegionCheck, fast_constructor, make_region_check
 from audit.checks.zero import is_zero, zero_digest
 
 PIECE_BYTES = 4 << 20          # inside any server CPU's L3: the passes after the first read from cache
@@ -44,7 +45,7 @@ STRETCH_BYTES = 256 << 10      # how many bytes of consecutive small values one 
 class ValueCheck:
     xxh3: int
     zero: bool
-    regions: tuple[RegionCheck, ...] | None = None  # in layout order, when a layout applied
+    regions: Sequence[RegionCheck] | None = None  # in layout order, when a layout applied (a tuple, or CleanRegions)
 
 
 def check_value_by_region(data: np.ndarray, layout) -> ValueCheck:
@@ -218,12 +219,12 @@ def _check_clean_run(buffer: np.ndarray, offsets: list[int], plan: _Plan, single
     results as `HostChecker._check` (`single`: the first reading's check alone, not the tuple),
     with less interpreter work per value."""
     digest_of = xxhash.xxh3_64_intdigest
-    make, make_value = make_region_check, _value_check
+    make_value = _value_check
     piece = plan.pieces[0]
     bounds = [(part.start, part.stop) for part in piece.slices]
     zero_digests = piece.zero_digests
-    readings = [(reading.picks, *reading.clean) for reading in piece.readings]
-    first_picks, falses, naughts = readings[0]
+    pickings = [reading.picks for reading in piece.readings]
+    first_picks = pickings[0]
     size = plan.size
     bytes_ = memoryview(buffer)
     results = []
@@ -234,11 +235,11 @@ def _check_clean_run(buffer: np.ndarray, offsets: list[int], plan: _Plan, single
             checks = HostChecker._check(buffer[offset: offset + size], plan, True)
             results.append(checks[0] if single else checks)
         elif single and first_picks is None:
-            results.append(make_value(digest, False, tuple(map(make, digests, falses, naughts, naughts))))
+            results.append(make_value(digest, False, CleanRegions(tuple(digests))))
         else:
-            checks = tuple(make_value(digest, False, tuple(map(
-                make, digests if picks is None else [digests[i] for i in picks], falses, naughts, naughts)))
-                for picks, falses, naughts in readings)
+            checks = tuple(make_value(digest, False, CleanRegions(
+                tuple(digests) if picks is None else tuple([digests[i] for i in picks])))
+                for picks in pickings)
             results.append(checks[0] if single else checks)
     return results
 
@@ -329,7 +330,8 @@ class HostChecker:
         pieces = plan.pieces
         whole = xxhash.xxh3_64() if len(pieces) > 1 else None
         bytes_ = memoryview(data)
-        found: list[list[RegionCheck]] = [[] for _ in plan.readings]
+        found: list[list] = [[] for _ in plan.readings]  # per reading: its RegionChecks, or digests while clean
+        as_digests = [True] * len(found)  # every region so far neither zero nor NaN/Inf: `found` holds digests
         zeros = [0] * len(found)
         # The first pass over the bytes reads them from memory; xxh3 keeps up with memory best,
         # so the whole-value digest goes first and the other passes find the bytes in cache.
@@ -353,22 +355,21 @@ class HostChecker:
             digests = [digest_of(bytes_[part]) for part in piece.slices]
             maybe_zero = not piece.zero_digests.isdisjoint(digests)
             zero_spans: dict[int, bool] | None = {} if len(found) > 1 else None  # span -> confirmed zero, once
-            spans_clean = None  # the spans' results where clean: the same objects for every reading cut so
             for number, reading in enumerate(piece.readings):
                 regions = found[number]
+                own = digests if reading.picks is None else [digests[i] for i in reading.picks]
                 if not maybe_zero and not any(fired[number]):
                     # The common case: no region can be zero (no digest is a zero digest) and there
                     # is no NaN/Inf anywhere in the piece.
-                    if reading.picks is not None:
+                    if as_digests[number]:
+                        regions.extend(own)
+                    else:
                         falses, naughts = reading.clean
-                        regions.extend(map(make, [digests[i] for i in reading.picks], falses, naughts, naughts))
-                        continue
-                    if spans_clean is None:
-                        falses, naughts = reading.clean
-                        spans_clean = list(map(make, digests, falses, naughts, naughts))
-                    regions.extend(spans_clean)
+                        regions.extend(map(make, own, falses, naughts, naughts))
                     continue
-                own = digests if reading.picks is None else [digests[i] for i in reading.picks]
+                if as_digests[number]:  # the digests so far become the RegionChecks they stand for
+                    regions = found[number] = [make(region_digest, False, 0, 0) for region_digest in regions]
+                    as_digests[number] = False
                 for (span, start, end, zero_of_length, dtype, run), region_digest in zip(reading.regions, own):
                     view = data[start:end]
                     if region_digest == zero_of_length:
@@ -391,6 +392,8 @@ class HostChecker:
             digest = whole.intdigest()
         value_zero = digest == plan.zero_digest
         if len(found) == 1:
-            return (_value_check(digest, value_zero and zeros[0] == len(found[0]), tuple(found[0])),)
-        return tuple(_value_check(digest, value_zero and zero == len(regions), tuple(regions))
-                     for zero, regions in zip(zeros, found))
+            regions = CleanRegions(tuple(found[0])) if as_digests[0] else tuple(found[0])
+            return (_value_check(digest, value_zero and zeros[0] == len(regions), regions),)
+        return tuple(_value_check(digest, value_zero and zero == len(regions),
+                                  CleanRegions(tuple(regions)) if is_clean else tuple(regions))
+                     for zero, regions, is_clean in zip(zeros, found, as_digests))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from audit.blocktables import BlockTableEntry
 from audit.checks.host import ValueCheck
+from audit.checks.types import CleanRegions
 from audit.errors import ERROR_NAMES, MOVED
 from audit.judge.readings import combine_readings
 from audit.keys import parse_key
@@ -51,7 +52,8 @@ def _region_rows(layout, check: ValueCheck) -> list[dict]:
 def _flagged(check: ValueCheck) -> bool:
     """Whether some region is all zero or holds a NaN or Inf: the only results a layout's verdicts
     rest on."""
-    return any(result.zero or result.nan or result.inf for result in check.regions)
+    regions = check.regions
+    return not isinstance(regions, CleanRegions) and any(result.zero or result.nan or result.inf for result in regions)
 
 
 def _judge_layout(record: KeyRecord, layout, check: ValueCheck) -> None:
