@@ -65,7 +65,8 @@ def _fit_to(plan: CheckPlan, info: KeyInfo, data: np.ndarray | None) -> list[dic
         return []
     rows = plan.fit_sizes([info])
     if plan.readings and data is not None:
-        plan.decide_readings({info.name: data}, [info])
+        plan.add_sample(info, data)
+        plan.decide_readings()
     return rows
 
 

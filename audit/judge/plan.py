@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from audit.blocktables import BlockTables
 from audit.errors import AuditError
 from audit.layouts import Layout, LayoutError, select_layout
-from audit.judge.readings import SAMPLE_KEYS, choose_reading
+from audit.judge.readings import SAMPLE_KEYS, SampleTally
 from audit.layouts.infer import (MANIFEST_FLAG, LayoutRequest, describe_reading, infer_layouts, observed_sizes,
                                  settling_flags)
 from audit.layouts.manifest import ProducerManifests, read_manifests
@@ -29,6 +29,7 @@ class CheckPlan:
     manifests: ProducerManifests | None = None  # the producer's own layouts (use_manifests)
     _cache: dict = field(default_factory=dict, repr=False)
     _readings_of: dict = field(default_factory=dict, repr=False)  # id(layout) -> (layout, readings, tuple)
+    _samples: dict = field(default_factory=dict, repr=False)  # (model, group) -> its SampleTally, while sampling
 
     def __post_init__(self) -> None:
         if not self.requests:
@@ -94,17 +95,24 @@ class CheckPlan:
             samples += members[::step][:per_group]
         return samples
 
-    def decide_readings(self, values: dict[str, object], keys) -> None:
-        """Choose each ambiguous group's reading from its sampled values (name -> uint8 array);
-        a group the bytes cannot decide stays ambiguous, and its row says what would settle it."""
-        by_slot: dict[tuple, list] = {slot: [] for slot in self.readings}
-        for key in keys:
-            if key.name in values:
-                layout = self.layout_for(key)
-                by_slot[(layout.model, layout.group)].append(values[key.name])
+    def add_sample(self, key: KeyInfo, value) -> None:
+        """One of `reading_samples`' keys and its value (uint8, host memory), weighed under each of
+        its group's readings at once: the reader's buffer may take the next batch right after."""
+        layout = self.layout_for(key)
+        slot = (layout.model, layout.group)
+        tally = self._samples.get(slot)
+        if tally is None:
+            tally = self._samples[slot] = SampleTally([reading.layout for reading in self.readings[slot]])
+        tally.add(value)
+
+    def decide_readings(self) -> None:
+        """Choose each ambiguous group's reading from the samples added (`add_sample`); a group the
+        bytes cannot decide stays ambiguous, and its row says what would settle it."""
         rows = {(row["model"], row["group"]): row for row in self.inference or ()}
+        samples, self._samples = self._samples, {}
         for slot, readings in list(self.readings.items()):
-            kept, evidence = choose_reading([reading.layout for reading in readings], by_slot[slot])
+            tally = samples.get(slot) or SampleTally([reading.layout for reading in readings])
+            kept, evidence = tally.choose()
             row = rows.get(slot, {})
             row["bytes"] = evidence
             self._replace_layout(readings[kept[0]].layout)

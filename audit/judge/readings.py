@@ -40,11 +40,34 @@ def choose_reading(layouts: list, values: list) -> tuple[list[int], dict]:
     index when the bytes choose, the readings they cannot tell apart otherwise (those clearly
     less plausible dropped), most plausible first. The evidence: the rule applied, and the
     plausible share of each reading kept, in the order returned."""
-    totals = [Plausibility() for _ in layouts]
+    tally = SampleTally(layouts)
     for value in values:
-        totals = [total + found for total, found in zip(totals, readings_plausibility(value, layouts))]
+        tally.add(value)
+    return tally.choose()
+
+
+class SampleTally:
+    """The plausibility of each of `layouts` over the values sampled so far, a value added while its
+    bytes are in the reader's buffer: nothing of a sample is kept (16 of a group's 1.6 MB values,
+    copied out, held 100 MB through a scan)."""
+
+    def __init__(self, layouts: list):
+        self.layouts = layouts
+        self.totals = [Plausibility() for _ in layouts]
+        self.sampled = 0
+
+    def add(self, value) -> None:
+        self.totals = [total + found for total, found in zip(self.totals, readings_plausibility(value, self.layouts))]
+        self.sampled += 1
+
+    def choose(self) -> tuple[list[int], dict]:
+        """`choose_reading`'s answer for the values added."""
+        return _chosen(self.layouts, self.totals, self.sampled)
+
+
+def _chosen(layouts: list, totals: list[Plausibility], sampled: int) -> tuple[list[int], dict]:
     scores = [total.score for total in totals]
-    evidence = {"keys_sampled": len(values), "readings_considered": len(layouts)}
+    evidence = {"keys_sampled": sampled, "readings_considered": len(layouts)}
     if any(score is None for score in scores):
         return list(range(len(layouts))), {**evidence, "rule": "no non-zero bytes to judge by"}
     ranked = sorted(range(len(layouts)), key=lambda i: -scores[i])

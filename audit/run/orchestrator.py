@@ -33,7 +33,7 @@ from audit.sources.listing import AdminListing
 from audit.run.statedir import StateDir
 from audit.run.options import ScanOptions
 from audit.run.phases import NoPhases, Phases
-from audit.run.reading import after_batch_hook, confirm_shared, make_reader, read_values
+from audit.run.reading import after_batch_hook, confirm_shared, make_reader, read_samples
 from audit.run.stops import Deadline, MasterWatch, StopOnSignals
 from audit.run.other_keys import (TenantClients, find_other_tenants_keys, read_other_keys, split_lease_only,
                                   take_census_after)
@@ -288,7 +288,8 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
             with phases.phase("readings chosen by sample bytes"):
                 samples = options.plan.reading_samples(listing.keys)
                 lease = store.client() if options.read_mode == "lease" else None
-                options.plan.decide_readings(read_values(settings, admin, lease, samples, options, transfer), samples)
+                read_samples(settings, admin, lease, samples, options, options.plan.add_sample, transfer)
+                options.plan.decide_readings()
         planning_rest = time.perf_counter()
         context.update(_plan_context(options.plan, listing.keys))
         keys = _select(listing.keys, options, state, context)

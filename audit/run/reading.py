@@ -4,6 +4,8 @@ scan and every Ray task."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from audit.connection import AdminClient, Settings
@@ -51,17 +53,14 @@ def make_reader(settings: Settings, admin: AdminClient, store, keys: list[KeyInf
 SAMPLE_BATCH_KEYS = 8  # samples read per batch: they are copied out at once, so a small buffer serves
 
 
-def read_values(settings: Settings, admin: AdminClient, store, keys: list[KeyInfo], options: ScanOptions,
-                transfer=None) -> dict:
-    """A few keys' bytes, copied to host memory (name -> uint8 array): the samples that choose an
-    ambiguous group's reading before the scan. Keys that fail to read are left out. The reader's
-    buffer holds a few of them, not all (16 per ambiguous group of 1.6 MB values would register
-    and touch a few hundred MB only to copy them out)."""
-    import numpy as np
-
+def read_samples(settings: Settings, admin: AdminClient, store, keys: list[KeyInfo], options: ScanOptions,
+                 consider: Callable[[KeyInfo, object], None], transfer=None) -> None:
+    """Read a few keys (the samples that choose an ambiguous group's reading before the scan) and
+    hand each value to `consider` (key, uint8 array in host memory) while it is in the reader's
+    buffer, which holds a few of them, not all (16 per ambiguous group of 1.6 MB values would
+    register and touch a few hundred MB). Keys that fail to read are left out."""
     from audit.readers.buffers import plan_batches
 
-    values = {}
     largest = sorted(keys, key=lambda key: -(key.size or 0))[:SAMPLE_BATCH_KEYS]
     reader = make_reader(settings, admin, store, largest, options, transfer)
     try:
@@ -71,12 +70,11 @@ def read_values(settings: Settings, admin: AdminClient, store, keys: list[KeyInf
                 for slot, code in zip(batch.slots, batch.results):
                     if code == slot.key.size:
                         view = batch.view(slot, code)
-                        values[slot.key.name] = np.array(view.cpu() if hasattr(view, "cpu") else view, copy=True)
+                        consider(slot.key, np.asarray(view.cpu() if hasattr(view, "cpu") else view))
             finally:
                 batch.release()
     finally:
         reader.close()
-    return values
 
 
 def confirm_findings(records: list[KeyRecord], confirm) -> None:

@@ -34,7 +34,7 @@ from audit.records import KeyInfo, KeyRecord, Verdict
 from audit.report.watch_metrics import MetricsServer, WatchMetrics
 from audit.run.options import ScanOptions
 from audit.run.orchestrator import enable_writer_checksum
-from audit.run.reading import after_batch_hook, buffer_bytes, confirm_shared, make_reader, read_values
+from audit.run.reading import after_batch_hook, buffer_bytes, confirm_shared, make_reader, read_samples
 from audit.run.scan import scan_keys
 from audit.run.stops import MasterWatch, StopOnSignals
 from audit.run.watch_state import FINDINGS_FILE, WatchState
@@ -376,7 +376,8 @@ class Watcher:
         plan.fit_sizes(keys)
         if plan.readings:
             samples = plan.reading_samples(keys)
-            plan.decide_readings(read_values(self.settings, admin, self._lease_store(), samples, self.scan), samples)
+            read_samples(self.settings, admin, self._lease_store(), samples, self.scan, plan.add_sample)
+            plan.decide_readings()
         self._fitted_sizes |= sizes
 
     def _lease_store(self):

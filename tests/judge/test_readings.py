@@ -203,3 +203,32 @@ def test_explain_names_the_candidates_and_what_the_bytes_said(publisher, cli_arg
                                   "json").stdout)
     (row,) = document["layout_inference"]
     assert row["status"] == "ambiguous" and row["bytes"]["rule"] == "the bytes cannot tell these readings apart"
+
+
+def test_a_plan_weighs_each_sample_as_it_comes_and_keeps_none():
+    """`CheckPlan.add_sample` weighs a sampled value under every reading of its group while the
+    reader's buffer holds it: the plan decides as `choose_reading` over all the samples would, and
+    keeps no reference to any of them (a copy of every sample was once held through the scan)."""
+    import weakref
+
+    from audit.judge.plan import CheckPlan
+    from audit.layouts.infer import LayoutRequest
+
+    keys = [KeyInfo(vllm_key("m", f"{i:04x}"), 16_384) for i in range(6)]
+    plan = CheckPlan(requests=[LayoutRequest(LLAMA_TINY, "m")])
+    plan.fit_sizes(keys)
+    readings = plan.readings[("m", 0)]
+    rng = np.random.default_rng(4)
+    written = _reading(readings, kv_dtype="float32")
+    values = [_fill(written.layout, rng) for _ in keys]
+    expected = choose_reading([r.layout for r in readings], values)
+    held = []
+    for key, value in zip(keys, values):
+        plan.add_sample(key, value)
+        held.append(weakref.ref(value))
+    del value, values
+    assert all(ref() is None for ref in held)
+    plan.decide_readings()
+    row = next(row for row in plan.inference if (row["model"], row["group"]) == ("m", 0))
+    assert row["bytes"] == expected[1] and row["bytes"]["keys_sampled"] == 6
+    assert row["status"] == "from_bytes" and ("m", 0) not in plan.readings
