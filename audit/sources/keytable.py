@@ -19,6 +19,7 @@ import xxhash
 from audit.records import KeyInfo
 
 _ENCODING = ("utf-8", "surrogateescape")  # a listing's bytes, kept as the master sent them
+HASH_BLOCK = 65_536  # rows whose names are hashed at a time (`name_hashes`)
 
 
 class KeyTable(Sequence):
@@ -167,11 +168,16 @@ class KeyTable(Sequence):
         """XXH3-64 of the names of table rows `rows` (ordinals), hashed from the listing's bytes as
         kept: `xxh3_64_intdigest(name.encode("utf-8", "surrogateescape"))` of each, no name decoded."""
         digest, arena, ends = xxhash.xxh3_64_intdigest, memoryview(self._arena), self._ends
+        hashes = np.empty(len(rows), dtype=np.uint64)
         try:
-            return np.fromiter((digest(arena[ends[row - 1] if row else 0:ends[row]]) for row in rows.tolist()),
-                               dtype=np.uint64, count=len(rows))
+            for start in range(0, len(rows), HASH_BLOCK):  # a block of rows as Python ints at a time
+                block = rows[start:start + HASH_BLOCK].tolist()
+                hashes[start:start + len(block)] = np.fromiter(
+                    (digest(arena[ends[row - 1] if row else 0:ends[row]]) for row in block),
+                    dtype=np.uint64, count=len(block))
         finally:
             arena.release()  # the arena may grow again
+        return hashes
 
     def rows(self) -> array:
         """The table rows this view holds, in order."""
