@@ -19,6 +19,9 @@ the NaN/Inf screen's two maxima once per element width over the ranges the readi
 common (float16 and bfloat16 words have the same maxima, only the thresholds differ). A reading
 adds work only for its own boundaries.
 
+A value none of whose regions is all zero or holds a NaN or Inf (nearly every one) keeps its
+regions as their digests (`CleanRegions`): the RegionChecks are made only if something looks.
+
 Everything derived from a layout (offsets, zero digests, runs) is computed once per layout.
 Results are identical to checking region by region (`check_region`); benchmarks/ holds the
 previous implementation and compares the two.

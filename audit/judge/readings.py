@@ -62,33 +62,30 @@ class SampleTally:
 
     def choose(self) -> tuple[list[int], dict]:
         """`choose_reading`'s answer for the values added."""
-        return _chosen(self.layouts, self.totals, self.sampled)
-
-
-def _chosen(layouts: list, totals: list[Plausibility], sampled: int) -> tuple[list[int], dict]:
-    scores = [total.score for total in totals]
-    evidence = {"keys_sampled": sampled, "readings_considered": len(layouts)}
-    if any(score is None for score in scores):
-        return list(range(len(layouts))), {**evidence, "rule": "no non-zero bytes to judge by"}
-    ranked = sorted(range(len(layouts)), key=lambda i: -scores[i])
-    best = ranked[0]
-    if scores[best] >= PERFECT:  # a reading decodes cleanly: any that does not is out
-        close = [i for i in ranked if scores[i] >= PERFECT]
-    else:
-        close = [i for i in ranked if scores[best] - scores[i] < MARGIN]
-    kept, rule = close, "the bytes cannot tell these readings apart"
-    if len(close) == 1:
-        kept, rule = close, "most plausible"
-        evidence["margin"] = round(scores[best] - max((scores[i] for i in ranked[1:]), default=0.0), 4)
-    elif len({_boundaries(layouts[i]) for i in close}) == 1:
-        perfect = [i for i in close if scores[i] >= PERFECT]
-        most = max((_elements(layouts[i]) for i in perfect), default=None)
-        narrowest = [i for i in perfect if _elements(layouts[i]) == most]
-        if len(narrowest) == 1:
-            kept, rule = narrowest, "tie on the same boundaries: the narrowest dtype that decodes cleanly"
-            evidence["tied"] = len(close)
-    evidence.update(rule=rule, scores=[round(scores[i], 4) for i in kept])
-    return kept, evidence
+        layouts = self.layouts
+        scores = [total.score for total in self.totals]
+        evidence = {"keys_sampled": self.sampled, "readings_considered": len(layouts)}
+        if any(score is None for score in scores):
+            return list(range(len(layouts))), {**evidence, "rule": "no non-zero bytes to judge by"}
+        ranked = sorted(range(len(layouts)), key=lambda i: -scores[i])
+        best = ranked[0]
+        if scores[best] >= PERFECT:  # a reading decodes cleanly: any that does not is out
+            close = [i for i in ranked if scores[i] >= PERFECT]
+        else:
+            close = [i for i in ranked if scores[best] - scores[i] < MARGIN]
+        kept, rule = close, "the bytes cannot tell these readings apart"
+        if len(close) == 1:
+            kept, rule = close, "most plausible"
+            evidence["margin"] = round(scores[best] - max((scores[i] for i in ranked[1:]), default=0.0), 4)
+        elif len({_boundaries(layouts[i]) for i in close}) == 1:
+            perfect = [i for i in close if scores[i] >= PERFECT]
+            most = max((_elements(layouts[i]) for i in perfect), default=None)
+            narrowest = [i for i in perfect if _elements(layouts[i]) == most]
+            if len(narrowest) == 1:
+                kept, rule = narrowest, "tie on the same boundaries: the narrowest dtype that decodes cleanly"
+                evidence["tied"] = len(close)
+        evidence.update(rule=rule, scores=[round(scores[i], 4) for i in kept])
+        return kept, evidence
 
 
 def combine_readings(primary: KeyRecord, others: list[KeyRecord]) -> KeyRecord:
