@@ -36,7 +36,7 @@ import numpy as np
 
 from audit.judge.values import IDENTITY_EVIDENCE
 from audit.producers import Member, member_of, parse_key, producer_of
-from audit.producers.vllm import HEX_DIGITS, is_hex
+from audit.producers.vllm import is_hex
 from audit.records import KeyRecord, Verdict
 
 COMPANION_SHARE = 0.9
@@ -123,21 +123,14 @@ class ChunkIndex:
                 index.slots.append(slot)
             return found
 
-        templates = _Templates(slot_id)
-        shapes, shape_of = templates._shapes, templates.slot
+        shape_of = _Templates(slot_id).slot
         rows, chunks, slots, sizes = index.rows.append, index.chunk.append, index.slot.append, index.size.append
         for ordinal, name, size in keys:
             if names is not None:
                 names.append(name)
-            # `shape_of`, inline for a shape seen before (nearly every key): a million keys' calls
-            stem, _, chunk_hash = name.rpartition("@")
-            shape = shapes.get(stem)
-            if shape and stem and chunk_hash and not chunk_hash.lstrip(HEX_DIGITS):
-                slot, family = shape
+            if (shape := shape_of(name)) is not None:
+                slot, family, chunk_hash = shape
                 chunk = hash((*family, chunk_hash))  # the chunk of Member: (*family, chunk hash)
-            elif (found := shape_of(name)) is not None:
-                slot, family, chunk_hash = found
-                chunk = hash((*family, chunk_hash))
             else:
                 member = member_of(parse_key(name))
                 if member is None:
