@@ -18,10 +18,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
-import xxhash
 
 from audit.records import KeyInfo, KeyRecord, Verdict
-from audit.sources.keytable import KeyTable
+from audit.sources.keytable import KeyTable, name_digest
 
 
 @dataclass
@@ -172,7 +171,7 @@ class RecordLedger:
         return self._kept[-1 - slot] if slot < 0 else self._plain_record(slot)
 
     def name_hashes(self) -> np.ndarray:
-        """XXH3-64 of every record's key name (of its UTF-8 bytes, surrogateescape), in order, without
+        """XXH3-64 of every record's key name (`name_digest`), in order, without
         making the records: a listed key's from the listing's bytes (`KeyTable.name_hashes`)."""
         order = np.frombuffer(self._order, dtype=np.int64)
         hashes = np.empty(len(order), dtype=np.uint64)
@@ -183,9 +182,7 @@ class RecordLedger:
         found[listed] = self.table.name_hashes(ordinals[listed])
         found[~listed] = self._others.name_hashes(-1 - ordinals[~listed])
         hashes[plain] = found
-        digest = xxhash.xxh3_64_intdigest
-        hashes[~plain] = [digest(self._kept[-1 - slot].key.encode("utf-8", "surrogateescape"))
-                          for slot in order[~plain].tolist()]
+        hashes[~plain] = [name_digest(self._kept[-1 - slot].key) for slot in order[~plain].tolist()]
         return hashes
 
     def _name(self, ordinal: int) -> str:

@@ -9,9 +9,9 @@ from itertools import islice
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
 from audit.errors import AuditError
+from audit.sources.keytable import name_digest
 
 LOCK_NAME = "lock"
 SEEN_NAME = "seen-keys.npy"  # sorted XXH3-64 of key names: 8 bytes a key, a million keys in 8 MB
@@ -19,10 +19,8 @@ BLOCK = 65_536               # names hashed at a time
 
 
 def _hashes(names: list[str]) -> np.ndarray:
-    """The XXH3-64 of each name's UTF-8 bytes (surrogateescape), as the seen set keeps them."""
-    digest = xxhash.xxh3_64_intdigest
-    return np.fromiter((digest(name.encode("utf-8", "surrogateescape")) for name in names),
-                       dtype=np.uint64, count=len(names))
+    """Each name's `name_digest`, as the seen set keeps them."""
+    return np.fromiter(map(name_digest, names), dtype=np.uint64, count=len(names))
 
 
 class StateDir:

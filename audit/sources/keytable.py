@@ -22,6 +22,11 @@ _ENCODING = ("utf-8", "surrogateescape")  # a listing's bytes, kept as the maste
 HASH_BLOCK = 65_536  # rows whose names are hashed at a time (`name_hashes`)
 
 
+def name_digest(name: str) -> int:
+    """XXH3-64 of a key name's bytes as a listing keeps them: what `KeyTable.name_hashes` gives its rows."""
+    return xxhash.xxh3_64_intdigest(name.encode(*_ENCODING))
+
+
 class KeyTable(Sequence):
     """Listed keys in listing order; `subset(rows)` views some of them without copying names."""
 
@@ -166,7 +171,7 @@ class KeyTable(Sequence):
 
     def name_hashes(self, rows: np.ndarray) -> np.ndarray:
         """XXH3-64 of the names of table rows `rows` (ordinals), hashed from the listing's bytes as
-        kept: `xxh3_64_intdigest(name.encode("utf-8", "surrogateescape"))` of each, no name decoded."""
+        kept: `name_digest` of each, no name decoded."""
         digest, arena, ends = xxhash.xxh3_64_intdigest, memoryview(self._arena), self._ends
         hashes = np.empty(len(rows), dtype=np.uint64)
         try:
