@@ -6,6 +6,7 @@ overflow Mooncake's per-peer queue, FACTS §3). Every value starts on a cache li
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -43,13 +44,49 @@ def plan_batches(keys: Sequence[KeyInfo], capacity: int,
         yield batch
 
 
-class RegisteredBuffer:
-    """Host memory registered with the store so transfers land in it directly."""
+def host_memory(nbytes: int) -> np.ndarray:
+    """Host memory for a buffer, its pages touched now, not during the first transfer."""
+    array = np.empty(max(nbytes, ALIGNMENT), dtype=np.uint8)
+    array.fill(0)  # numpy releases the GIL while it writes
+    return array
 
-    def __init__(self, store, nbytes: int):
+
+class HostMemoryAhead:
+    """A reader's host memory, touched in a thread while the scan still plans its keys (the chunk
+    index, the layout fit, the store client's setup): the page faults of 256 MiB take 0.03 s, and
+    0.15-0.3 s when the kernel compacts memory for huge pages (docs/benchmarks.md). `registered` is
+    a buffer type for the reader."""
+
+    def __init__(self, sizes: Sequence[int]):
+        self._arrays: list[np.ndarray] = []
+        self._thread = threading.Thread(target=self._touch, args=(list(sizes),), name="host-memory", daemon=True)
+        self._thread.start()
+
+    def _touch(self, sizes: list[int]) -> None:
+        try:
+            for nbytes in sizes:
+                self._arrays.append(host_memory(nbytes))
+        except MemoryError:
+            pass  # the reader asks for it again, and reports the error
+
+    def registered(self, store, nbytes: int) -> RegisteredBuffer:
+        """A RegisteredBuffer of `nbytes` in the memory touched ahead, or in new memory where none
+        is of that size (what is left then goes first: memory is never held twice)."""
+        self._thread.join()
+        for index, array in enumerate(self._arrays):
+            if array.nbytes == max(nbytes, ALIGNMENT):
+                return RegisteredBuffer(store, nbytes, self._arrays.pop(index))
+        self._arrays.clear()
+        return RegisteredBuffer(store, nbytes)
+
+
+class RegisteredBuffer:
+    """Host memory registered with the store so transfers land in it directly; `array`: memory
+    touched earlier (`host_memory`), else it is made here."""
+
+    def __init__(self, store, nbytes: int, array: np.ndarray | None = None):
         self.store = store
-        self.array = np.empty(max(nbytes, ALIGNMENT), dtype=np.uint8)
-        self.array.fill(0)  # touch the pages now, not during the first transfer
+        self.array = host_memory(nbytes) if array is None else array
         rc = store.register_buffer(self.array.ctypes.data, self.array.nbytes)
         if rc != 0:
             raise MemoryError(f"register_buffer of {nbytes} bytes failed ({rc})")

@@ -117,17 +117,19 @@ class PeekReader:
     """Same interface as `audit.readers.lease.LeaseReader`; reads every replica, takes no lease.
 
     `transfer`: a RawTransfer to read through (one engine for a run's sample reads and its scan);
-    without one the reader starts its own, and closes it with itself."""
+    without one the reader starts its own, and closes it with itself. `buffer_type` makes its two
+    buffers (`HostMemoryAhead.registered`: in memory touched ahead)."""
 
     mode = "peek"
 
-    def __init__(self, settings: Settings, admin: AdminClient, buffer_bytes: int, transfer: RawTransfer | None = None):
+    def __init__(self, settings: Settings, admin: AdminClient, buffer_bytes: int, transfer: RawTransfer | None = None,
+                 buffer_type=RegisteredBuffer):
         self.admin = admin
         self._owns_transfer = transfer is None
         self.transfer = RawTransfer(settings) if transfer is None else transfer
         half = max(buffer_bytes // 2, ALIGNMENT)
         try:
-            self.buffers = [RegisteredBuffer(self.transfer, half), RegisteredBuffer(self.transfer, half)]
+            self.buffers = [buffer_type(self.transfer, half), buffer_type(self.transfer, half)]
         except BaseException:
             if self._owns_transfer:
                 self.transfer.close()

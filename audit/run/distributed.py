@@ -59,9 +59,9 @@ _client: tuple[tuple[str, Settings], object] | None = None  # this worker proces
 
 def _store(settings: Settings, scan: str):
     """One Mooncake client per Ray worker process for all the shards of one scan that it reads: a
-    client's setup and close cost up to a second each (docs/benchmarks.md), as long as reading a
-    1 GB shard. An earlier scan's client is closed first (its master may have restarted since);
-    the last one ends with the worker process."""
+    client's setup and close are a fixed cost of every shard otherwise (docs/scale-out.md). An
+    earlier scan's client is closed first (its master may have restarted since); the last one ends
+    with the worker process."""
     global _client
     if _client is None or _client[0] != (scan, settings):
         if _client is not None:

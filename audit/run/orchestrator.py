@@ -33,7 +33,7 @@ from audit.sources.listing import AdminListing
 from audit.run.statedir import StateDir
 from audit.run.options import ScanOptions
 from audit.run.phases import NoPhases, Phases
-from audit.run.reading import after_batch_hook, confirm_shared, make_reader, read_samples
+from audit.run.reading import after_batch_hook, confirm_shared, make_reader, read_samples, reader_memory_ahead
 from audit.run.stops import Deadline, MasterWatch, StopOnSignals
 from audit.run.other_keys import (TenantClients, find_other_tenants_keys, read_other_keys, split_lease_only,
                                   take_census_after)
@@ -95,10 +95,11 @@ def _resume(keys: KeyTable, done: dict[str, KeyRecord], records: RecordLedger) -
 
 def _read_here(settings, admin, store, keys, checker, options: ScanOptions, stop: threading.Event,
                checkpoint: Checkpoint | None, evidence: EvidenceStore | None, emit, records: RecordLedger,
-               phases: Phases, transfer=None):
+               phases: Phases, transfer=None, memory=None):
     """This process reads every key; the reason it stopped early, if it did. No key to read: no
     reader (a transfer engine, registered buffers), and no store client for it. `store` and
-    `transfer` may be callables that set them up on first use."""
+    `transfer` may be callables that set them up on first use; `memory`: the reader's host memory,
+    touched ahead (`reader_memory_ahead`)."""
     if not len(keys):  # what setting them up would find out first: the master, the metadata server
         if options.read_mode == "lease":
             reachable(settings.master)
@@ -108,7 +109,7 @@ def _read_here(settings, admin, store, keys, checker, options: ScanOptions, stop
     store = store() if callable(store) else store
     transfer = transfer() if callable(transfer) and options.read_mode == "peek" else None
     with phases.phase("buffer registration"):
-        reader = base_reader = make_reader(settings, admin, store, keys, options, transfer)
+        reader = base_reader = make_reader(settings, admin, store, keys, options, transfer, memory)
     if options.max_bandwidth:
         reader = ThrottledReader(reader, options.max_bandwidth, stop)
     first = len(records)
@@ -159,7 +160,7 @@ def run_scan(settings: Settings, options: ScanOptions, sink, progress: ScanProgr
     key_filter = options.key_filter()
     checker = options.placement.checker()
     state = StateDir(options.state_dir) if options.state_dir is not None else None
-    closers: list = []  # closing the store takes about a second: after the report is out
+    closers: list = []  # the store and the transfer engine, closed after the report is out
     exporting = options.prom_file is not None or options.pushgateway is not None
     if exporting:  # prometheus_client only where metrics are asked for
         from audit.report.metrics import export_metrics
@@ -202,8 +203,7 @@ def _connect_ray(settings: Settings, options: ScanOptions, closers: list):
 
 class _TransferWhenNeeded:
     """Peek reads' transfer engine, started on first use and shared by the sample reads that choose
-    a reading and the scan; closed with the store, after the report is out (its start and close
-    cost about a second together)."""
+    a reading and the scan; closed with the store, after the report is out."""
 
     def __init__(self, settings: Settings, closers: list, phases: Phases | None = None):
         self.settings = settings
@@ -223,9 +223,8 @@ class _TransferWhenNeeded:
 
 class _StoreWhenNeeded:
     """The Mooncake store client, set up on first use: peek reads never need it (only a key the admin
-    API cannot size does), and lease reads need it only once the keys are listed. Its `close()` waits
-    for the client's one-second ticks, counted from its setup (docs/benchmarks.md): the later the
-    setup, the less of the run it rounds up. A master it cannot reach still fails before any read."""
+    API cannot size does), and lease reads need it only once the keys are listed. A master it cannot
+    reach still fails before any read."""
 
     def __init__(self, settings: Settings, closers: list, phases: Phases | None = None):
         self.settings = settings
@@ -279,6 +278,7 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
         other = find_other_tenants_keys(census, options, options.plan, listing, key_filter, clients)
         keys_listed = len(listing.keys) + len(listing.vanished)
         records = RecordLedger(listing.keys)
+        memory = reader_memory_ahead(listing.keys, options) if ray_scan is None else None
         with phases.phase("chunk index"):
             chunks = ChunkIndex.of_table(listing.keys).settle()
         if options.plan.requests or options.plan.manifests:  # the producer's layouts: its manifest, or its sizes
@@ -321,7 +321,7 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
             else:
                 reason = _read_here(settings, admin, store.client if options.read_mode == "lease" else None,
                                     keys, checker, options, stop, checkpoint, evidence, emit, records, phases,
-                                    transfer)
+                                    transfer, memory)
             with phases.phase("reading other tenants' and lease-only keys"):
                 reason = reason or read_other_keys(other, clients, checker, options, stop, MasterWatch(admin, stop),
                                                    evidence, emit, started)

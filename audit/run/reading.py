@@ -12,7 +12,7 @@ from audit.connection import AdminClient, Settings
 from audit.errors import AuditError
 from audit.judge.duplicates import mark_duplicates
 from audit.judge.ledger import RecordLedger
-from audit.readers.buffers import ALIGNMENT, MAX_KEYS_PER_BATCH
+from audit.readers.buffers import ALIGNMENT, MAX_KEYS_PER_BATCH, HostMemoryAhead, RegisteredBuffer
 from audit.readers.lease import LeaseReader
 from audit.records import KeyInfo, KeyRecord, Verdict
 from audit.run.checkpoint import Checkpoint
@@ -36,18 +36,31 @@ def buffer_bytes(keys: list[KeyInfo], options: ScanOptions) -> int:
     return 2 * half
 
 
+def reader_memory_ahead(keys: list[KeyInfo], options: ScanOptions) -> HostMemoryAhead | None:
+    """The host memory of the reader `make_reader` will make for `keys` (the keys listed), touched
+    from now on in a thread. None where the run reads other keys or none into host memory: GPU
+    buffers, no key, a sample or a resumed checkpoint (fewer keys, maybe smaller buffers)."""
+    if (not len(keys) or options.placement.buffer_type is not RegisteredBuffer or options.sample is not None
+            or options.resume):
+        return None
+    half = max(buffer_bytes(keys, options) // 2, ALIGNMENT)
+    return HostMemoryAhead([half, half])
+
+
 def make_reader(settings: Settings, admin: AdminClient, store, keys: list[KeyInfo], options: ScanOptions,
-                transfer=None):
+                transfer=None, memory: HostMemoryAhead | None = None):
     """The reader of the run's read mode, its buffers sized to `keys`. `transfer` (peek reads): a
-    RawTransfer to share (its start and close cost about a second: one per run), or a callable that
-    gives one; without it the reader starts its own."""
+    RawTransfer to share, or a callable that gives one; without it the reader starts its own.
+    `memory`: the buffers' host memory, touched ahead (`reader_memory_ahead`)."""
+    buffer_type = options.placement.buffer_type if memory is None else memory.registered
     if options.read_mode == "lease":
-        return LeaseReader(store, buffer_bytes(keys, options), options.placement.buffer_type)
+        return LeaseReader(store, buffer_bytes(keys, options), buffer_type)
     if options.placement.device != "cpu":
         raise AuditError("--read-mode peek reads into host memory: use it with --device cpu")
     from audit.readers.peek import PeekReader
 
-    return PeekReader(settings, admin, buffer_bytes(keys, options), transfer() if callable(transfer) else transfer)
+    return PeekReader(settings, admin, buffer_bytes(keys, options), transfer() if callable(transfer) else transfer,
+                      buffer_type)
 
 
 SAMPLE_BATCH_KEYS = 8  # samples read per batch: they are copied out at once, so a small buffer serves

@@ -177,11 +177,16 @@ def test_resume_after_a_signal_reads_each_key_once(publisher, cli_args, namespac
     assert summary["resumed_keys"] == len(first_keys) and summary["keys_scanned"] == 60 and summary["complete"]
 
 
-def test_a_second_sigterm_ends_the_process_at_once(publisher, cli_args, namespace, tmp_path):
-    _put_many(publisher, namespace, 60, size=50_000)
-    process, _ = _interrupted_check(cli_args, namespace, tmp_path)
+def test_a_second_sigterm_ends_the_process_at_once(publisher, cli_args, namespace):
+    """After the first SIGTERM a scan stops between batches and writes its report; a process stuck
+    meanwhile (here writing records to a pipe nobody reads, as to a full disk) ends at the second."""
+    _put_many(publisher, namespace, 1500, size=64)
+    process = _cli_process("check", *cli_args, "--prefix", namespace, "--format", "jsonl", "--all", "--no-progress")
+    first = process.stdout.read(1000)  # it writes; more than a pipe holds is to come (about 300 B a key)
+    time.sleep(0.5)
     process.send_signal(signal.SIGTERM)
     time.sleep(0.2)  # two signals at once would be delivered as one
+    assert process.poll() is None and first.startswith(b"{")  # still stuck after the first
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=10) == -signal.SIGTERM
 

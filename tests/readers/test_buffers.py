@@ -1,0 +1,38 @@
+"""Host memory touched ahead (audit.readers.buffers.HostMemoryAhead), registered with a real store
+client: the buffers are made in it where the sizes were foreseen, in new memory where not."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from audit.connection import open_store
+from audit.readers.buffers import HostMemoryAhead, RegisteredBuffer
+
+
+def test_buffers_of_the_sizes_foreseen_take_the_memory_touched_ahead(settings):
+    ahead = HostMemoryAhead([1 << 20, 1 << 20])
+    store = open_store(settings)
+    try:
+        ahead._thread.join()
+        touched = [array.ctypes.data for array in ahead._arrays]
+        first, second = ahead.registered(store, 1 << 20), ahead.registered(store, 1 << 20)
+        assert isinstance(first, RegisteredBuffer) and [first.address, second.address] == touched
+        assert first.nbytes == second.nbytes == 1 << 20 and not first.array.any()
+        third = ahead.registered(store, 1 << 20)  # none left: new memory
+        assert third.address not in touched and third.nbytes == 1 << 20
+        for buffer in (first, second, third):
+            buffer.release()
+    finally:
+        store.close()
+
+
+def test_a_size_not_foreseen_gets_new_memory_and_the_memory_ahead_is_dropped(settings):
+    ahead = HostMemoryAhead([1 << 20, 1 << 20])
+    store = open_store(settings)
+    try:
+        buffer = ahead.registered(store, 3 << 19)
+        assert buffer.nbytes == 3 << 19 and isinstance(buffer.array, np.ndarray)
+        assert ahead._arrays == []  # never held twice
+        buffer.release()
+    finally:
+        store.close()
