@@ -21,8 +21,9 @@ default HEAD exported with `git archive`; after: this tree), from a neutral dire
 cached by a warm-up run of each. Every round runs the four processes in a rotated order; per
 process wall seconds, CPU seconds and peak RSS (`os.wait4`, `benchmarks.paired.run`), and from its
 `--verbose` phases the seconds of the layout fit, the sample reads that choose readings, checking
-and judging, and the store client's close (it waits for the client's one-second ticks counted from
-its setup, which an ambiguous run does earlier, for the sample reads). The figure: per checkout, the median over rounds of ambiguous / given, wall
+and judging, and the store client's close (before `audit.listeners`, it waited out the one-second
+accept() of the client's handshake listener, whose seconds count from its setup, which an ambiguous
+run does earlier, for the sample reads). The figure: per checkout, the median over rounds of ambiguous / given, wall
 and CPU (the goal: <= 1.1x). Reports must agree:
 each store's report is the same before and after (summaries without times, every finding's digest,
 size, zero flag and verdicts), and the ambiguous runs must report their groups ambiguous.
@@ -59,6 +60,7 @@ VALUE_BYTES = 1_638_400
 STORES = {"ambiguous": [], "given": ["--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "bfloat16"]}
 # --verbose phases (stderr) shown beside the wall time: where an ambiguous group's extra cost goes
 PHASES = {"layout fit s": "layout fit to the sizes", "sample reads s": "readings chosen by sample bytes",
+          "buffer registration s": "buffer registration", "reading s": "reading and judging (wall)",
           "checking s": "checking and judging batches", "close s": "close"}
 
 def key_of(index: int) -> str:

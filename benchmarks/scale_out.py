@@ -61,8 +61,8 @@ def _publish(settings, keys: int) -> None:
 
 
 def _scan(settings, keys: int, **options) -> tuple[float, dict]:
-    """The wall time of run_scan, which ends with the driver's store.close(): that waits for the
-    client's 1 s heartbeat tick, so it rounds the wall time up to about a whole second."""
+    """The wall time of run_scan, which ends with the driver's store.close() (up to a second before
+    `audit.listeners`, a few hundredths since)."""
     from audit.run.orchestrator import ScanOptions, run_scan
 
     started = time.perf_counter()
