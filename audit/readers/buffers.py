@@ -55,7 +55,8 @@ class HostMemoryAhead:
     """A reader's host memory, touched in a thread while the scan still plans its keys (the chunk
     index, the layout fit, the store client's setup): the page faults of 256 MiB take 0.03 s, and
     0.15-0.3 s when the kernel compacts memory for huge pages (docs/benchmarks.md). `registered` is
-    a buffer type for the reader."""
+    a buffer type: the sample reads that choose a group's reading borrow the memory first (a buffer
+    released gives its memory back), then the scan's reader takes it."""
 
     def __init__(self, sizes: Sequence[int]):
         self._arrays: list[np.ndarray] = []
@@ -70,14 +71,16 @@ class HostMemoryAhead:
             pass  # the reader asks for it again, and reports the error
 
     def registered(self, store, nbytes: int) -> RegisteredBuffer:
-        """A RegisteredBuffer of `nbytes` in the memory touched ahead, or in new memory where none
-        is of that size (what is left then goes first: memory is never held twice)."""
+        """A RegisteredBuffer of `nbytes` in the smallest memory touched ahead that holds it, else
+        in new memory (what is left then goes first: memory is never held twice)."""
         self._thread.join()
-        for index, array in enumerate(self._arrays):
-            if array.nbytes == max(nbytes, ALIGNMENT):
-                return RegisteredBuffer(store, nbytes, self._arrays.pop(index))
-        self._arrays.clear()
-        return RegisteredBuffer(store, nbytes)
+        size = max(nbytes, ALIGNMENT)
+        holding = [index for index, array in enumerate(self._arrays) if array.nbytes >= size]
+        if not holding:
+            self._arrays.clear()
+            return RegisteredBuffer(store, nbytes)
+        whole = self._arrays.pop(min(holding, key=lambda index: self._arrays[index].nbytes))
+        return _Lent(store, size, whole, self._arrays)
 
 
 class RegisteredBuffer:
@@ -101,6 +104,18 @@ class RegisteredBuffer:
 
     def release(self) -> None:
         self.store.unregister_buffer(self.address)
+
+
+class _Lent(RegisteredBuffer):
+    """A RegisteredBuffer in the first bytes of memory touched ahead; released, the memory goes back."""
+
+    def __init__(self, store, nbytes: int, whole: np.ndarray, pool: list):
+        super().__init__(store, nbytes, whole[:nbytes])
+        self._whole, self._pool = whole, pool
+
+    def release(self) -> None:
+        super().release()
+        self._pool.append(self._whole)
 
 
 class CudaBuffer:

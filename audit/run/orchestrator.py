@@ -278,6 +278,7 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
         other = find_other_tenants_keys(census, options, options.plan, listing, key_filter, clients)
         keys_listed = len(listing.keys) + len(listing.vanished)
         records = RecordLedger(listing.keys)
+        memory = reader_memory_ahead(listing.keys, options) if ray_scan is None else None
         with phases.phase("chunk index"):
             chunks = ChunkIndex.of_table(listing.keys).settle()
         if options.plan.requests or options.plan.manifests:  # the producer's layouts: its manifest, or its sizes
@@ -287,10 +288,8 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
             with phases.phase("readings chosen by sample bytes"):
                 samples = options.plan.reading_samples(listing.keys)
                 lease = store.client() if options.read_mode == "lease" else None
-                read_samples(settings, admin, lease, samples, options, options.plan.add_sample, transfer)
+                read_samples(settings, admin, lease, samples, options, options.plan.add_sample, transfer, memory)
                 options.plan.decide_readings()
-        # after the samples' reads: their buffer is gone, and they do not share the cores with it
-        memory = reader_memory_ahead(listing.keys, options) if ray_scan is None else None
         planning_rest = time.perf_counter()
         context.update(_plan_context(options.plan, listing.keys))
         keys = _select(listing.keys, options, state, context)

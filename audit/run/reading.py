@@ -67,15 +67,17 @@ SAMPLE_BATCH_KEYS = 8  # samples read per batch: they are copied out at once, so
 
 
 def read_samples(settings: Settings, admin: AdminClient, store, keys: list[KeyInfo], options: ScanOptions,
-                 consider: Callable[[KeyInfo, object], None], transfer=None) -> None:
+                 consider: Callable[[KeyInfo, object], None], transfer=None,
+                 memory: HostMemoryAhead | None = None) -> None:
     """Read a few keys (the samples that choose an ambiguous group's reading before the scan) and
     hand each value to `consider` (key, uint8 array in host memory) while it is in the reader's
     buffer, which holds a few of them, not all (16 per ambiguous group of 1.6 MB values would
-    register and touch a few hundred MB). Keys that fail to read are left out."""
+    register and touch a few hundred MB). Keys that fail to read are left out. `memory`: the
+    scan's reader's, touched ahead, which the samples borrow (`reader_memory_ahead`)."""
     from audit.readers.buffers import plan_batches
 
     largest = sorted(keys, key=lambda key: -(key.size or 0))[:SAMPLE_BATCH_KEYS]
-    reader = make_reader(settings, admin, store, largest, options, transfer)
+    reader = make_reader(settings, admin, store, largest, options, transfer, memory)
     try:
         for turn, slots in enumerate(plan_batches(keys, reader.capacity)):
             batch = reader.fetch(slots, turn)

@@ -1,5 +1,6 @@
 """Host memory touched ahead (audit.readers.buffers.HostMemoryAhead), registered with a real store
-client: the buffers are made in it where the sizes were foreseen, in new memory where not."""
+client: the buffers are made in it where it holds them (a smaller one borrows it, and gives it back
+when released), in new memory where not."""
 
 from __future__ import annotations
 
@@ -34,5 +35,23 @@ def test_a_size_not_foreseen_gets_new_memory_and_the_memory_ahead_is_dropped(set
         assert buffer.nbytes == 3 << 19 and isinstance(buffer.array, np.ndarray)
         assert ahead._arrays == []  # never held twice
         buffer.release()
+    finally:
+        store.close()
+
+
+def test_a_smaller_buffer_borrows_the_memory_ahead_and_gives_it_back_when_released(settings):
+    ahead = HostMemoryAhead([1 << 20, 2 << 20])
+    store = open_store(settings)
+    try:
+        ahead._thread.join()
+        small, large = (array.ctypes.data for array in ahead._arrays)
+        borrowed = ahead.registered(store, 4096)  # the samples' reader: the smallest memory that holds it
+        assert borrowed.address == small and borrowed.nbytes == 4096
+        borrowed.array[:] = 7
+        borrowed.release()
+        first, second = ahead.registered(store, 1 << 20), ahead.registered(store, 2 << 20)  # then the scan's
+        assert (first.address, second.address) == (small, large) and first.nbytes == 1 << 20
+        first.release()
+        second.release()
     finally:
         store.close()
