@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from audit.connection import Settings, local_address_towards, native_stderr_captured
-from audit.listeners import accept_shortened
 from audit.errors import AuditError
+from audit.listeners import accept_shortened
 from audit.readers.buffers import MAX_KEYS_PER_BATCH
 
 TRANSFER_FAIL = -800  # what `batch_get_into` answers for the same failure (FACTS §3)
