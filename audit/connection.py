@@ -13,9 +13,11 @@ import re
 import socket
 import sys
 import tempfile
+import itertools
 import threading
 import urllib.parse
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,11 +100,26 @@ def _query_strings(keys: list[str]) -> Iterator[str]:
     yield ",".join(piece)
 
 
+def _chunked_queries(keys: Iterable[str]) -> Iterator[str]:
+    """`keys` as query strings of at most QUERY_KEYS_PER_CALL keys and QUERY_URL_BUDGET bytes each."""
+    chunk: list[str] = []
+    budget = 0  # the chunk's length before encoding: encoding only lengthens it
+    for key in keys:
+        if chunk and (len(chunk) >= QUERY_KEYS_PER_CALL or budget + len(key) + 1 > QUERY_URL_BUDGET):
+            yield from _query_strings(chunk)
+            chunk, budget = [], 0
+        chunk.append(key)
+        budget += len(key) + 1
+    if chunk:
+        yield from _query_strings(chunk)
+
+
 class AdminClient:
     """The master's admin HTTP port: listing and lease-free queries. Never its destructive routes.
 
     One keep-alive connection per thread (a listing makes thousands of calls; the peek reader asks
-    from the fetch thread while the main thread checks).
+    from the fetch thread while the main thread checks), and one more thread that asks a query's
+    next call while the caller parses the last answer (`_bodies_ahead`).
     """
 
     def __init__(self, base_url: str, timeout_s: float = 30.0):
@@ -113,6 +130,7 @@ class AdminClient:
             raise AuditError(f"--admin must be an http(s) URL, not {base_url!r}")
         self._parsed = parsed
         self._local = threading.local()
+        self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="admin-ahead")  # its thread starts when used
 
     def _connection(self) -> http.client.HTTPConnection:
         connection = getattr(self._local, "connection", None)
@@ -189,23 +207,31 @@ class AdminClient:
         [replica...]}`) chunk by chunk (half a million answers held at once would cost ~1 GB).
         Grants no lease. The master splits on commas even when encoded, so keys holding a comma
         must not be passed here."""
-        chunk: list[str] = []
-        budget = 0  # the chunk's length before encoding: encoding only lengthens it
-        for key in keys:
-            if chunk and (len(chunk) >= QUERY_KEYS_PER_CALL or budget + len(key) + 1 > QUERY_URL_BUDGET):
-                yield from self._query_keys(chunk)
-                chunk, budget = [], 0
-            chunk.append(key)
-            budget += len(key) + 1
-        if chunk:
-            yield from self._query_keys(chunk)
+        for body in self._bodies_ahead("/batch_query_keys?keys=" + query for query in _chunked_queries(keys)):
+            yield from self._parsed_answers(body).items()
 
-    def _query_keys(self, keys: list[str]) -> Iterator[tuple[str, dict]]:
-        for query in _query_strings(keys):
-            yield from self._query_chunk(query).items()
+    def _bodies_ahead(self, paths: Iterator[str]) -> Iterator[bytes]:
+        """The answers to `paths`, in order, each asked while the caller still uses the one before:
+        the master works out the next answer while this thread parses the last (at a million keys,
+        a listing waited about 4 s of its 10.5 s on the master, docs/benchmarks.md). Paths are made
+        in the caller's thread; only the calls run in the other."""
+        path = next(paths, None)
+        following = None if path is None else next(paths, None)
+        if following is None:  # one call: nothing to overlap
+            if path is not None:
+                yield self._get(path)
+            return
+        pending = self._ahead.submit(self._get, path)
+        try:
+            for path in itertools.chain((following,), paths):
+                asked, pending = pending, self._ahead.submit(self._get, path)
+                yield asked.result()
+            yield pending.result()
+        finally:
+            pending.cancel()  # a caller that stopped early: the call not yet started is not made
 
-    def _query_chunk(self, query: str) -> dict[str, dict]:
-        body = self._get("/batch_query_keys?keys=" + query)
+    def _parsed_answers(self, body: bytes) -> dict[str, dict]:
+        """A `/batch_query_keys` answer's `data`: key -> answer."""
         try:
             document = orjson.loads(body)  # a third of json's time: answers for every key, twice on peek reads
         except orjson.JSONDecodeError:  # not UTF-8 (a key's raw bytes?): decoded as the listing decodes names

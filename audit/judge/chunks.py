@@ -36,34 +36,38 @@ import numpy as np
 
 from audit.judge.values import IDENTITY_EVIDENCE
 from audit.producers import Member, member_of, parse_key, producer_of
-from audit.producers.vllm import is_hex
+from audit.producers.vllm import HEX_DIGITS
 from audit.records import KeyRecord, Verdict
+from audit.sources.keytable import NAME_ENCODING
 
 COMPANION_SHARE = 0.9
 COMPANION_MIN_CHUNKS = 8
 DOMINANT_SHARE = 0.5    # a size is the family's own only where more than half of its keys have it
 MISSING_EXAMPLES = 8    # missing members named in each record's evidence
+_HEX_DIGITS = HEX_DIGITS.encode()
 TEMPLATES = 4096        # distinct key shapes whose parse is remembered (vLLM: one per model, rank, group)
 
 
 class _Templates:
     """A vLLM key is its shape (everything before the last '@') plus a chunk hash, and the shape alone
-    decides family, part and rank: each shape is parsed once, into the slot its keys fill."""
+    decides family, part and rank: each shape is parsed once, into the slot its keys fill. Names
+    come as a listing's bytes: a key of a known shape is split and its hash checked undecoded."""
 
     def __init__(self, slot_id: Callable[[tuple], int]):
         self._slot_id = slot_id
-        self._shapes: dict[str, tuple[int, tuple] | None] = {}  # shape -> (slot id, family); None: not vLLM's
+        self.shapes: dict[bytes, tuple[int, tuple] | None] = {}  # shape -> (slot id, family); None: not vLLM's
 
-    def slot(self, name: str) -> tuple[int, tuple, str] | None:
+    def slot(self, name: bytes) -> tuple[int, tuple, str] | None:
         """(the slot id of the name's shape, its family, its chunk hash) for a vLLM key, else None."""
-        stem, _, chunk_hash = name.rpartition("@")
-        shape = self._shapes.get(stem, False)
-        if shape is None or not stem or not is_hex(chunk_hash):
-            return None
+        stem, _, chunk_hash = name.rpartition(b"@")
+        shape = self.shapes.get(stem, False)
+        if shape is None or not stem or not chunk_hash or chunk_hash.translate(None, _HEX_DIGITS):
+            return None  # `is_hex` of the bytes: one or more hex digits, nothing else
+        chunk_hash = chunk_hash.decode("ascii")
         if shape is False:
-            shape = self._shape(name, chunk_hash)
-            if len(self._shapes) < TEMPLATES:
-                self._shapes[stem] = shape
+            shape = self._shape(name.decode(*NAME_ENCODING), chunk_hash)
+            if len(self.shapes) < TEMPLATES:
+                self.shapes[stem] = shape
             if shape is None:
                 return None
         return shape[0], shape[1], chunk_hash
@@ -98,22 +102,23 @@ class ChunkIndex:
     def of(cls, keys: Iterable[tuple[str, int | None]]) -> ChunkIndex:
         """From (name, size) pairs; a row's ordinal is its position among them."""
         names: list[str] = []
-        index = cls._build(((ordinal, name, size) for ordinal, (name, size) in enumerate(keys)), names)
+        index = cls._build(((ordinal, name.encode(*NAME_ENCODING), -1 if size is None else size)
+                            for ordinal, (name, size) in enumerate(keys)), names)
         index.names = names.__getitem__
         return index
 
     @classmethod
     def of_table(cls, table) -> ChunkIndex:
         """From a KeyTable: ordinals are its rows, names stay in the table."""
-        index = cls._build(table.named_rows(), None)
+        index = cls._build(table.encoded_rows(), None)
         index.names = table.name
         index.table = table
         return index
 
     @classmethod
     def _build(cls, keys, names: list | None) -> ChunkIndex:
-        """One pass over (ordinal, name, size): a vLLM key costs a split, a lookup of its shape and a
-        hash of its chunk (the shape is parsed once); any other key is parsed whole."""
+        """One pass over (ordinal, encoded name, size or -1): a vLLM key costs a split, a lookup of its shape
+        and a hash of its chunk (the shape is parsed once); any other key is decoded and parsed whole."""
         index = cls()
         slot_ids: dict[tuple, int] = {}
 
@@ -123,23 +128,28 @@ class ChunkIndex:
                 index.slots.append(slot)
             return found
 
-        shape_of = _Templates(slot_id).slot
+        templates = _Templates(slot_id)
+        shape_of, known = templates.slot, templates.shapes
         rows, chunks, slots, sizes = index.rows.append, index.chunk.append, index.slot.append, index.size.append
         for ordinal, name, size in keys:
             if names is not None:
-                names.append(name)
-            if (shape := shape_of(name)) is not None:
+                names.append(name.decode(*NAME_ENCODING))
+            stem, _, tail = name.rpartition(b"@")
+            if (shape := known.get(stem)) is not None and tail and not tail.translate(None, _HEX_DIGITS):
+                slot, family = shape  # `shape_of`, inline for the shapes known (nearly every key)
+                chunk = hash((*family, tail.decode("ascii")))  # the chunk of Member: (*family, chunk hash)
+            elif (shape := shape_of(name)) is not None:
                 slot, family, chunk_hash = shape
-                chunk = hash((*family, chunk_hash))  # the chunk of Member: (*family, chunk hash)
+                chunk = hash((*family, chunk_hash))
             else:
-                member = member_of(parse_key(name))
+                member = member_of(parse_key(name.decode(*NAME_ENCODING)))
                 if member is None:
                     continue
                 slot, chunk = slot_id((member.family, member.part, member.rank, member.world)), hash(member.chunk)
             rows(ordinal)
             chunks(chunk)
             slots(slot)
-            sizes(-1 if size is None else size)
+            sizes(size)
         return index
 
     def __len__(self) -> int:

@@ -34,13 +34,13 @@ _RANK_NAMES = ("tp_rank", "pcp", "dcp", "pp_rank")
 OPAQUE = {"scheme": "opaque"}
 
 
-_HEX_DIGITS = "0123456789abcdefABCDEF"
+HEX_DIGITS = "0123456789abcdefABCDEF"
 
 
 def is_hex(text: str) -> bool:
     """Whether `text` is one or more hex digits (a third of a regex match's time: a chunk index
     asks it of every listed key)."""
-    return text != "" and not text.lstrip(_HEX_DIGITS)
+    return text != "" and not text.lstrip(HEX_DIGITS)
 
 
 def split_stem(key: str) -> tuple[str, str] | None:

@@ -26,6 +26,9 @@ def test_every_key_comes_back_as_it_went_in_with_its_row():
     back = list(table)
     assert [(k.name, k.size, k.replicas) for k in back] == [(k.name, k.size, k.replicas) for k in KEYS]
     assert [k.ordinal for k in back] == list(range(len(KEYS)))
+    assert back == [table.info(row) for row in range(len(KEYS))]  # every field, as one row at a time gives it
+    assert [(row, name.decode("utf-8", "surrogateescape"), size) for row, name, size in table.encoded_rows()] == \
+        [(row, name, -1 if size is None else size) for row, name, size in table.named_rows()]
     assert table[-1].name == "b@tp_rank:1" and table.name(1) == KEYS[1].name
     assert table.listed_replica(0) == ("10.0.0.1:1", 4096, 256) and table.listed_replica(1) is None
     assert table.total_size() == 256 + 10 + 7 + 5 + 256
