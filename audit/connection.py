@@ -7,13 +7,13 @@ JSON config that vLLM's connector uses (`MOONCAKE_CONFIG_PATH`), then defaults.
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import os
 import re
 import socket
 import sys
 import tempfile
-import itertools
 import threading
 import urllib.parse
 from collections.abc import Iterable, Iterator

@@ -44,8 +44,8 @@ COMPANION_SHARE = 0.9
 COMPANION_MIN_CHUNKS = 8
 DOMINANT_SHARE = 0.5    # a size is the family's own only where more than half of its keys have it
 MISSING_EXAMPLES = 8    # missing members named in each record's evidence
-_HEX_DIGITS = HEX_DIGITS.encode()
 TEMPLATES = 4096        # distinct key shapes whose parse is remembered (vLLM: one per model, rank, group)
+_HEX_BYTES = HEX_DIGITS.encode()  # `is_hex`'s digits, for names as a listing's bytes
 
 
 class _Templates:
@@ -61,7 +61,7 @@ class _Templates:
         """(the slot id of the name's shape, its family, its chunk hash) for a vLLM key, else None."""
         stem, _, chunk_hash = name.rpartition(b"@")
         shape = self.shapes.get(stem, False)
-        if shape is None or not stem or not chunk_hash or chunk_hash.translate(None, _HEX_DIGITS):
+        if shape is None or not stem or not chunk_hash or chunk_hash.translate(None, _HEX_BYTES):
             return None  # `is_hex` of the bytes: one or more hex digits, nothing else
         chunk_hash = chunk_hash.decode("ascii")
         if shape is False:
@@ -135,7 +135,7 @@ class ChunkIndex:
             if names is not None:
                 names.append(name.decode(*NAME_ENCODING))
             stem, _, tail = name.rpartition(b"@")
-            if (shape := known.get(stem)) is not None and tail and not tail.translate(None, _HEX_DIGITS):
+            if (shape := known.get(stem)) is not None and tail and not tail.translate(None, _HEX_BYTES):
                 slot, family = shape  # `shape_of`, inline for the shapes known (nearly every key)
                 chunk = hash((*family, tail.decode("ascii")))  # the chunk of Member: (*family, chunk hash)
             elif (shape := shape_of(name)) is not None:

@@ -38,8 +38,8 @@ HEX_DIGITS = "0123456789abcdefABCDEF"
 
 
 def is_hex(text: str) -> bool:
-    """Whether `text` is one or more hex digits (a third of a regex match's time: a chunk index
-    asks it of every listed key)."""
+    """Whether `text` is one or more hex digits (a third of a regex match's time: asked of every
+    key read, for its stem; a chunk index asks the same of names as bytes)."""
     return text != "" and not text.lstrip(HEX_DIGITS)
 
 

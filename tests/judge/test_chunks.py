@@ -256,3 +256,27 @@ def test_an_sglang_page_without_its_mamba_states_is_whole_but_states_without_kv_
     judgement = ChunkIndex.of(keys).judge()
     assert judgement.missing == {name: [{"part": "v", "tp_rank": 0}] for name, _ in page(20, ("temporal", "conv_0", "k"))}
     assert judgement.summary["incomplete"] == 1
+
+
+def test_names_read_as_bytes_index_every_key_as_parsing_it_whole_would():
+    """A vLLM key of a known shape is split and hex-checked as bytes, undecoded: each row's slot and
+    chunk must be what parsing the whole name gives (`member_of(parse_key(name))`), for hostile
+    names too, from a name list and from a KeyTable alike."""
+    from audit.producers import member_of, parse_key
+    from audit.sources.keytable import KeyTable
+
+    names = [vllm_key("m", tail, tp_rank=rank) for tail in ("9abc", "9ABC", "00ff", "9abg", "9ab é", "9a\udcff", "")
+             for rank in (0, 1)]
+    names += [vllm_key("m\udcfe-é", "beef"), "m@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@", "@beef", "plain key",
+              vllm_key("m", "beef", cache_prefix="tenant,a")]
+    table = KeyTable()
+    for name in names:
+        table.append_listed(name, 64, "127.0.0.1:1", 4096)
+    for index in (ChunkIndex.of((name, 64) for name in names), ChunkIndex.of_table(table)):
+        got = {index.names(row): (index.slots[slot], chunk) for row, slot, chunk in zip(index.rows, index.slot, index.chunk)}
+        expected = {}
+        for name in names:
+            if (member := member_of(parse_key(name))) is not None:
+                expected[name] = ((member.family, member.part, member.rank, member.world), hash(member.chunk))
+        assert got == expected
+        assert sum(1 for name in got if name.startswith("m@")) == 6  # the three hex tails (either case), both ranks
