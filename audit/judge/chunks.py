@@ -51,26 +51,19 @@ _HEX_BYTES = HEX_DIGITS.encode()  # `is_hex`'s digits, for names as a listing's 
 class _Templates:
     """A vLLM key is its shape (everything before the last '@') plus a chunk hash, and the shape alone
     decides family, part and rank: each shape is parsed once, into the slot its keys fill. Names
-    come as a listing's bytes: a key of a known shape is split and its hash checked undecoded."""
+    come as a listing's bytes: a key of a known shape is never decoded."""
 
     def __init__(self, slot_id: Callable[[tuple], int]):
         self._slot_id = slot_id
         self.shapes: dict[bytes, tuple[int, tuple] | None] = {}  # shape -> (slot id, family); None: not vLLM's
 
-    def slot(self, name: bytes) -> tuple[int, tuple, str] | None:
-        """(the slot id of the name's shape, its family, its chunk hash) for a vLLM key, else None."""
-        stem, _, chunk_hash = name.rpartition(b"@")
-        shape = self.shapes.get(stem, False)
-        if shape is None or not stem or not chunk_hash or chunk_hash.translate(None, _HEX_BYTES):
-            return None  # `is_hex` of the bytes: one or more hex digits, nothing else
-        chunk_hash = chunk_hash.decode("ascii")
-        if shape is False:
-            shape = self._shape(name.decode(*NAME_ENCODING), chunk_hash)
-            if len(self.shapes) < TEMPLATES:
-                self.shapes[stem] = shape
-            if shape is None:
-                return None
-        return shape[0], shape[1], chunk_hash
+    def learn(self, stem: bytes, name: bytes, chunk_hash: bytes) -> tuple[int, tuple] | None:
+        """(slot id, family) of a shape not seen yet, from its first key `name` (`stem`@`chunk_hash`),
+        remembered for the next; None: not vLLM's."""
+        shape = self._shape(name.decode(*NAME_ENCODING), chunk_hash.decode("ascii"))
+        if len(self.shapes) < TEMPLATES:
+            self.shapes[stem] = shape
+        return shape
 
     def _shape(self, name: str, chunk_hash: str) -> tuple[int, tuple] | None:
         fields = parse_key(name)
@@ -129,18 +122,19 @@ class ChunkIndex:
             return found
 
         templates = _Templates(slot_id)
-        shape_of, known = templates.slot, templates.shapes
+        learn, known = templates.learn, templates.shapes
         rows, chunks, slots, sizes = index.rows.append, index.chunk.append, index.slot.append, index.size.append
         for ordinal, name, size in keys:
             if names is not None:
                 names.append(name.decode(*NAME_ENCODING))
             stem, _, tail = name.rpartition(b"@")
-            if (shape := known.get(stem)) is not None and tail and not tail.translate(None, _HEX_BYTES):
-                slot, family = shape  # `shape_of`, inline for the shapes known (nearly every key)
+            shape = None
+            if stem and tail and not tail.translate(None, _HEX_BYTES):  # `is_hex` of the bytes
+                if (shape := known.get(stem, False)) is False:
+                    shape = learn(stem, name, tail)
+            if shape is not None:
+                slot, family = shape
                 chunk = hash((*family, tail.decode("ascii")))  # the chunk of Member: (*family, chunk hash)
-            elif (shape := shape_of(name)) is not None:
-                slot, family, chunk_hash = shape
-                chunk = hash((*family, chunk_hash))
             else:
                 member = member_of(parse_key(name.decode(*NAME_ENCODING)))
                 if member is None:

@@ -162,17 +162,10 @@ class KeyTable(Sequence):
             yield KeyInfo(name, size, None, replicas, None, row)  # positional (name, size, fields, replicas,
             # tenant, ordinal): a quarter of the time keywords take, at a million keys 0.5 s
 
-    def named_rows(self) -> Iterator[tuple[int, str, int | None]]:
-        """(row, name, size) of every row of this view, as `name` and `size` give them (with the
-        lookups hoisted: a chunk index reads a million)."""
-        arena, ends, sizes = self._arena, self._ends, self._sizes
-        for row in (range(len(self._ends)) if self._rows is None else self._rows):
-            size = sizes[row]
-            yield row, arena[ends[row - 1] if row else 0:ends[row]].decode(*NAME_ENCODING), None if size < 0 else size
-
     def encoded_rows(self) -> Iterator[tuple[int, bytes, int]]:
         """(row, name, size) of every row of this view, the name as the listing's bytes and the size as
-        the column holds it (-1: unknown): a chunk index decodes only one key of each vLLM key shape."""
+        the column holds it (-1: unknown), with the lookups hoisted: a chunk index reads a million, and
+        decodes only one key of each vLLM key shape."""
         arena, ends, sizes = memoryview(self._arena), self._ends, self._sizes
         try:
             for row in (range(len(self._ends)) if self._rows is None else self._rows):
@@ -200,8 +193,10 @@ class KeyTable(Sequence):
         return array("Q", range(len(self._ends))) if self._rows is None else self._rows
 
     def names(self) -> Iterator[str]:
-        for _, name, _ in self.named_rows():
-            yield name
+        """Every row's name of this view, as `name` gives it."""
+        arena, ends = self._arena, self._ends
+        for row in (range(len(self._ends)) if self._rows is None else self._rows):
+            yield arena[ends[row - 1] if row else 0:ends[row]].decode(*NAME_ENCODING)
 
     def size_column(self) -> array:
         """Every table row's size (-1: unknown), for array operations over many rows."""

@@ -28,7 +28,9 @@ def test_every_key_comes_back_as_it_went_in_with_its_row():
     assert [k.ordinal for k in back] == list(range(len(KEYS)))
     assert back == [table.info(row) for row in range(len(KEYS))]  # every field, as one row at a time gives it
     assert [(row, name.decode("utf-8", "surrogateescape"), size) for row, name, size in table.encoded_rows()] == \
-        [(row, name, -1 if size is None else size) for row, name, size in table.named_rows()]
+        [(row, table.name(row), -1 if table.size(row) is None else table.size(row)) for row in range(len(KEYS))]
+    assert list(table.names()) == [key.name for key in KEYS] and list(table.subset([4, 0]).names()) == \
+        ["b@tp_rank:1", "a@tp_rank:0"]
     assert table[-1].name == "b@tp_rank:1" and table.name(1) == KEYS[1].name
     assert table.listed_replica(0) == ("10.0.0.1:1", 4096, 256) and table.listed_replica(1) is None
     assert table.total_size() == 256 + 10 + 7 + 5 + 256
