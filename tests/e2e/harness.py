@@ -83,6 +83,7 @@ class EngineRun:
     wall_s: float = 0.0
     log_lines: list[str] = field(default_factory=list)
     unsent: object = None                         # with drain: per rank, store jobs still queued (or the error)
+    prompts: list = field(default_factory=list)   # per batch, the prompts it ran (sized batches made)
 
     def tokens(self, batch: int) -> list[list[int]]:
         return [p["tokens"] for p in self.batches[batch]]
@@ -101,7 +102,8 @@ def run_engine(model_dir: Path, config_path: Path | None, batches: list[list[lis
                drain: bool = False, kv_connector: str | None = None, kv_connector_extra_config: dict | None = None,
                kv_transfer_params: list | None = None, extra_env: dict | None = None,
                settle_s: float | None = None, kv_role: str | None = None, load_guard: bool = False,
-               kv_load_failure_policy: str | None = None, logprobs: int | None = None) -> EngineRun:
+               kv_load_failure_policy: str | None = None, logprobs: int | None = None,
+               mamba_ssm_cache_dtype: str | None = None) -> EngineRun:
     """Start one vLLM engine in a subprocess, generate `batches` greedily, return tokens and logs.
 
     `kv_connector` (default MooncakeStoreConnector), its extra config, per-request `kv_transfer_params`
@@ -117,7 +119,8 @@ def run_engine(model_dir: Path, config_path: Path | None, batches: list[list[lis
         spec["drain"] = True
     for option, value in (("kv_connector", kv_connector), ("kv_connector_extra_config", kv_connector_extra_config),
                           ("kv_transfer_params", kv_transfer_params), ("settle_s", settle_s), ("kv_role", kv_role),
-                          ("kv_load_failure_policy", kv_load_failure_policy), ("logprobs", logprobs)):
+                          ("kv_load_failure_policy", kv_load_failure_policy), ("logprobs", logprobs),
+                          ("mamba_ssm_cache_dtype", mamba_ssm_cache_dtype)):
         if value is not None:
             spec[option] = value
     spec_path.write_text(json.dumps(spec))
@@ -155,11 +158,33 @@ def run_engine(model_dir: Path, config_path: Path | None, batches: list[list[lis
     result = json.loads(out_path.read_text())
     return EngineRun(model=model_dir.name, log_path=log_path, batches=result["batches"], seconds=result["seconds"], vllm=result.get("vllm", {}), pid=result.get("pid"),
                      wall_s=round(time.monotonic() - started, 1), log_lines=interesting_lines(text),
-                     unsent=result.get("unsent_after_drain"))
+                     unsent=result.get("unsent_after_drain"), prompts=result.get("prompts") or batches)
+
+
+def sized_batch(count: int, blocks: int, extra: int, seed: int) -> dict:
+    """`count` random prompts of `blocks` full blocks and `extra` tokens, at the block size the engine
+    reports (tests/e2e/producer.py makes them): a case publishes keys on any CPU, whatever block
+    vLLM chose there (issue #42: an avx512_bf16 CPU keeps a GDN ssm state in float32 and doubles
+    the hybrid's block)."""
+    return {"sized": {"count": count, "blocks": blocks, "extra": extra, "seed": seed}}
+
+
+def published_keys(cluster, run: EngineRun) -> list[str]:
+    """Every key in the cluster after `run`; a run that published none fails here, first, saying why."""
+    keys = all_keys(cluster)
+    if not keys:
+        lengths = sorted({len(prompt) for batch in run.prompts for prompt in batch})
+        raise NothingPublished(f"vLLM published no key: its block is {run.vllm.get('block_size')} tokens, "
+                               f"the prompts {lengths} tokens; log {run.log_path}: {run.log_lines}")
+    return keys
 
 
 class EngineFailed(RuntimeError):
     """The vLLM engine did not come up or did not finish (the log tail says why)."""
+
+
+class NothingPublished(EngineFailed):
+    """The engine ran, and no key reached the store: every test of its case fails with this first."""
 
 
 def run_once(session, name: str, make):

@@ -4,11 +4,15 @@ The parent (tests/e2e/harness.py) sets the environment (Mooncake config, recorde
 settings) before starting it: vLLM reads most of it at import. SPEC is a JSON object:
 
   model          the model directory (its basename is the model field of every key)
-  batches        a list of batches, each a list of prompts (lists of token ids); each batch is one
-                 ``LLM.generate`` call, in order
+  batches        a list of batches, each a list of prompts (lists of token ids) or a sized batch
+                 (``{"sized": {"count", "blocks", "extra", "seed"}}``: `count` random prompts of
+                 ``blocks`` of the engine's own block size plus ``extra`` tokens, made once the engine
+                 has said its block size: vLLM raises a hybrid's block by rules that depend on the CPU);
+                 each batch is one ``LLM.generate`` call, in order
   max_tokens     greedy tokens per prompt
   block_size     or null (vLLM's choice)
   dtype          LLM(dtype=...), or null for "auto"
+  mamba_ssm_cache_dtype  LLM(mamba_ssm_cache_dtype=...), or absent for vLLM's choice
   mamba          serve with mamba_cache_mode="align"
   retention_none prefix_cache_retention_interval=None (every Mamba block kept; needed for the bug)
   tp             tensor_parallel_size (>1 uses the mp executor: the parent must set
@@ -27,7 +31,8 @@ settings) before starting it: vLLM reads most of it at import. SPEC is a JSON ob
   logprobs       top-n logprobs per generated token (each prompt's result then has "logprobs": per
                  token, the chosen token's logprob, and "finish_reason")
 
-The result: {"batches": [[{"tokens": [...], "cached_tokens": n}, ...], ...], "seconds": {...}}.
+The result: {"batches": [[{"tokens": [...], "cached_tokens": n}, ...], ...], "prompts": [[[...], ...], ...]
+(every batch's prompts, sized ones made), "seconds": {...}}.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import sys
 import time
 
@@ -53,6 +59,8 @@ def main(spec_path: str) -> int:
         kwargs["dtype"] = spec["dtype"]
     if spec.get("block_size"):
         kwargs["block_size"] = spec["block_size"]
+    if spec.get("mamba_ssm_cache_dtype"):
+        kwargs["mamba_ssm_cache_dtype"] = spec["mamba_ssm_cache_dtype"]
     if spec.get("mamba"):
         kwargs["mamba_cache_mode"] = "align"
     if spec.get("retention_none"):
@@ -74,9 +82,10 @@ def main(spec_path: str) -> int:
         result_layout = {"error": repr(error)}
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False,
                             logprobs=spec.get("logprobs"))
-    result = {"batches": [], "vllm": result_layout, "pid": os.getpid()}
+    batches = [made(batch, llm.llm_engine.vllm_config.cache_config.block_size) for batch in spec["batches"]]
+    result = {"batches": [], "prompts": batches, "vllm": result_layout, "pid": os.getpid()}
     per_batch_params = spec.get("kv_transfer_params") or [None] * len(spec["batches"])
-    for batch, transfer in zip(spec["batches"], per_batch_params):
+    for batch, transfer in zip(batches, per_batch_params):
         batch_params = params if not transfer else [
             params if not t else SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
                                                 detokenize=False, extra_args={"kv_transfer_params": t})
@@ -104,6 +113,16 @@ def main(spec_path: str) -> int:
         sys.stderr.flush()
         os._exit(0)
     return 0
+
+
+def made(batch, block_size: int) -> list[list[int]]:
+    """A batch's prompts: as given, or a sized batch's made for the engine's block size."""
+    if not isinstance(batch, dict):
+        return batch
+    sized = batch["sized"]
+    rng = random.Random(sized["seed"])
+    length = sized["blocks"] * block_size + sized["extra"]
+    return [[rng.randrange(3, 512) for _ in range(length)] for _ in range(sized["count"])]
 
 
 def _outcome(output, logprobs: bool) -> dict:

@@ -8,7 +8,11 @@ Runs, each one engine on a fresh cluster, recorder on, the senders drained befor
   turns prefix caching off (the connector still hashes and saves every full block);
 - ``olmo-hybrid-tiny`` (3 GDN layers + 1 attention, bfloat16) at TP 1; its GDN core runs on vLLM's
   CPU GDN op through the test plugin (``MOONCAKE_AUDIT_E2E_OLMO_CPU``, see
-  ``mooncake_audit_e2e_shims/olmo_hybrid_cpu.py``): vLLM's own is Triton-only.
+  ``mooncake_audit_e2e_shims/olmo_hybrid_cpu.py``): vLLM's own is Triton-only. Served as shipped, and
+  with ``mamba_ssm_cache_dtype="float32"``: what vLLM does by itself on a CPU with avx512_bf16
+  ("Reset SSM cache type to float32 for accelerated GDN mamba backend"), where the padded page
+  doubles and so does the hybrid's block (128 -> 256 tokens). Prompts are sized in the engine's own
+  blocks (``harness.sized_batch``), so every case publishes keys on any CPU (issue #42).
 
 What vLLM 0.32.0 does with MLA keys at TP > 1 (``mooncake/store/worker.py``,
 ``MooncakeStoreWorker._spec_tp_replication_factor``: a pure MLA group's replication factor is
@@ -27,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import json
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,20 +51,24 @@ class Case:
     model: str
     tp: int
     prompts: int
-    length: int
+    blocks: int                      # full blocks a prompt, at the block size the engine reports
+    extra: int                       # and a tail of this many tokens
+    ssm_dtype: str | None = None     # mamba_ssm_cache_dtype served (and given to the scan), or vLLM's choice
 
     @property
     def mla(self) -> bool:
         return ALL_MODELS[self.model].family == "deepseek_v3"
 
 
-# MLA: 53 tokens = 3 full 16-token blocks a prompt (6 keys). OLMo Hybrid: vLLM raises the block to
-# 128 tokens (page padding 86.86%), so 200 tokens give one boundary chunk a prompt, 4 groups each.
+# MLA: 3 full 16-token blocks and 5 tokens a prompt (6 keys). OLMo Hybrid: vLLM raises the block (128
+# tokens here, page padding 86.86%; 256 with a float32 ssm), so one block and 72 tokens give one
+# boundary chunk a prompt, 4 groups each.
 CASES = {case.name: case for case in [
-    Case("mla-fp32-tp1", "deepseek-v3-tiny", 1, 2, 53),
-    Case("mla-fp32-tp2", "deepseek-v3-tiny", 2, 2, 53),
-    Case("mla-bf16-tp1", "deepseek-v3-tiny-bf16", 1, 2, 53),
-    Case("olmo-hybrid-tp1", "olmo-hybrid-tiny", 1, 2, 200),
+    Case("mla-fp32-tp1", "deepseek-v3-tiny", 1, 2, 3, 5),
+    Case("mla-fp32-tp2", "deepseek-v3-tiny", 2, 2, 3, 5),
+    Case("mla-bf16-tp1", "deepseek-v3-tiny-bf16", 1, 2, 3, 5),
+    Case("olmo-hybrid-tp1", "olmo-hybrid-tiny", 1, 2, 1, 72),
+    Case("olmo-hybrid-ssm-fp32-tp1", "olmo-hybrid-tiny", 1, 2, 1, 72, ssm_dtype="float32"),
 ]}
 PLANTED_CASES = [name for name, case in CASES.items() if case.tp == 1]
 
@@ -89,9 +96,9 @@ class Produced:
         return [json.loads(path.read_text()) for path in sorted(self.record_dir.glob("manifest-*.json"))]
 
 
-def prompts(case: Case) -> list[list[int]]:
-    rng = random.Random(30)
-    return [[rng.randrange(3, 512) for _ in range(case.length)] for _ in range(case.prompts)]
+def scan_flags(case: Case) -> list[str]:
+    """What the operator gives the scan beside the model config: the serve flags that changed dtypes."""
+    return ["--mamba-ssm-cache-dtype", case.ssm_dtype] if case.ssm_dtype else []
 
 
 def produced(session, models_dir: Path, name: str) -> Produced:
@@ -105,15 +112,17 @@ def _produce(session, models_dir: Path, case: Case) -> Produced:
     spec = ALL_MODELS[case.model]
     cluster, config = session.cluster(f"new-families-{case.name}")
     work = session.root / f"new-families-{case.name}"
-    run = harness.run_engine(models_dir / case.model, config, [prompts(case)], work, mamba=spec.mamba,
+    batch = harness.sized_batch(case.prompts, case.blocks, case.extra, seed=30)
+    run = harness.run_engine(models_dir / case.model, config, [batch], work, mamba=spec.mamba,
                              block_size=spec.block_size, record_dir=work / "records", tp=case.tp,
                              dtype=spec.serve_dtype, max_tokens=4, drain=True, timeout_s=400, name="engine",
-                             extra_env={OLMO_CPU_ENV: "1"} if spec.family == "olmo_hybrid" else None)
-    keys = harness.all_keys(cluster)
+                             extra_env={OLMO_CPU_ENV: "1"} if spec.family == "olmo_hybrid" else None,
+                             mamba_ssm_cache_dtype=case.ssm_dtype)
+    keys = harness.published_keys(cluster, run)
     result = Produced(case, run, cluster, config, models_dir / case.model, work / "records", keys,
                       harness.key_sizes(cluster, keys))
-    result.clean = harness.scan(config, cluster, "--model-config", str(result.model_dir))
-    result.with_manifest = harness.scan(config, cluster, "--model-config", str(result.model_dir),
+    result.clean = harness.scan(config, cluster, "--model-config", str(result.model_dir), *scan_flags(case))
+    result.with_manifest = harness.scan(config, cluster, "--model-config", str(result.model_dir), *scan_flags(case),
                                         "--block-tables", str(result.record_dir))
     return result
 
@@ -172,7 +181,8 @@ def test_vllm_publishes_the_keys_its_rules_predict(session, models_dir, name):
     (manifest, *others) = result.manifests()
     assert len(others) == case.tp - 1
     if case.mla:
-        full_blocks = case.prompts * (case.length // MLA_BLOCK)
+        assert result.run.vllm["block_size"] == MLA_BLOCK, result.run.vllm
+        full_blocks = case.prompts * case.blocks
         itemsize = 4 if ALL_MODELS[case.model].serve_dtype == "float32" else 2
         assert len(result.keys) == full_blocks and {f["group"] for f in fields} == {0}
         assert set(result.sizes.values()) == {MLA_LAYERS * MLA_BLOCK * MLA_LATENT * itemsize}
@@ -207,8 +217,21 @@ def test_mla_at_tp2_every_rank_puts_its_share_of_tp_rank0_keys(session, models_d
     puts = [r for r in tp2.records if r.get("rc") == 0 and not r.get("withheld")]
     assert collections.Counter(r["key"] for r in puts) == collections.Counter(set(tp2.keys)), "each key put once"
     per_rank = collections.Counter(rank_of[r["pid"]] for r in puts)
-    chunks = tp2.case.length // MLA_BLOCK  # chunk c of a prompt is rank (c % 2)'s
+    chunks = tp2.case.blocks  # chunk c of a prompt is rank (c % 2)'s
     assert per_rank == {rank: tp2.case.prompts * len(range(rank, chunks, 2)) for rank in (0, 1)}, per_rank
+
+
+def test_a_float32_ssm_doubles_the_hybrids_block_and_the_prompts_follow_it(session, models_dir):
+    """What an avx512_bf16 CPU does by itself, asked for here on any CPU: the ssm state in float32, a
+    larger padded page, a larger block; prompts sized in blocks still end one boundary chunk each."""
+    shipped = produced(session, models_dir, "olmo-hybrid-tp1")
+    fp32 = produced(session, models_dir, "olmo-hybrid-ssm-fp32-tp1")
+    assert fp32.run.vllm["mamba_ssm_cache_dtype"] == "float32", fp32.run.vllm
+    assert fp32.run.vllm["block_size"] > shipped.run.vllm["block_size"], (fp32.run.vllm, shipped.run.vllm)
+    for run in (shipped, fp32):
+        block = run.run.vllm["block_size"]
+        assert [len(p) for p in run.run.prompts[0]] == [block + 72] * run.case.prompts
+    assert min(fp32.sizes.values()) > max(shipped.sizes.values())
 
 
 # ---- the scans an operator runs ---------------------------------------------------------------------
@@ -293,7 +316,8 @@ def planted(session, models_dir, name: str) -> Produced:
         harness.plant_copies(result.config, [{k: plant[k] for k in ("source", "key", "zero")}
                                              for plant in plan.values()])
         result.planted = plan
-        result.rescan = harness.scan(result.config, result.cluster, "--model-config", str(result.model_dir))
+        result.rescan = harness.scan(result.config, result.cluster, "--model-config", str(result.model_dir),
+                                     *scan_flags(result.case))
         _write_observed(session)
     return result
 
