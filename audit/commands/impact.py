@@ -8,11 +8,12 @@ from typing import Annotated, Optional
 
 import typer
 
+from audit.commands.common import check_choice, fail
 from audit.errors import AuditError
 from audit.report.impact import IMPACT_FORMATS
-from audit.report.inert import printable
 
-# As cli.py declares them for the other commands (same flags, same environment variables).
+# As options.py declares them for the other commands (same flags, same environment variables), with
+# help that speaks of the recorder's records.
 RecordDirs = Annotated[Optional[list[Path]], typer.Option(
     "--block-tables", envvar="MOONCAKE_AUDIT_BLOCK_TABLES",
     help="The recorder's directory (put records, load records, manifests), or its files. Repeatable.")]
@@ -20,12 +21,6 @@ Lenient = Annotated[bool, typer.Option("--lenient", help="Skip (and count) malfo
 Format = Annotated[str, typer.Option("--format", envvar="MOONCAKE_AUDIT_FORMAT", help="human, json or html.")]
 Output = Annotated[Optional[Path], typer.Option("--output", "-o", envvar="MOONCAKE_AUDIT_OUTPUT",
                                                help="Write the result here (atomically) instead of stdout.")]
-
-
-def _fail(message: str) -> typer.Exit:
-    """One line on stderr, exit 2, no traceback (as cli.fail)."""
-    typer.echo(f"mooncake-audit: error: {printable(message, 400)}", err=True)
-    return typer.Exit(2)
 
 
 def impact_command(
@@ -42,14 +37,13 @@ def impact_command(
     from audit.report.impact import write_impact
     from audit.report.output import check_writable
 
-    if fmt not in IMPACT_FORMATS:
-        raise _fail(f"--format must be one of {', '.join(IMPACT_FORMATS)}, not {fmt!r}")
+    check_choice("--format", fmt, IMPACT_FORMATS)
     if not block_tables:
-        raise _fail("give --block-tables DIR (the recorder's directory, with its loads-*.jsonl files)")
+        raise fail("give --block-tables DIR (the recorder's directory, with its loads-*.jsonl files)")
     try:
         check_writable(output)  # before the records are read, not after
         result = impact_of_report(report, block_tables, lenient=lenient)
         write_impact(result.to_json(), result.timeline, fmt, output)
     except AuditError as error:
-        raise _fail(str(error)) from None
+        raise fail(str(error)) from None
     raise typer.Exit(result.exit_code)

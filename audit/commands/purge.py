@@ -1,0 +1,62 @@
+"""`mooncake-audit purge`: remove flagged keys, their bytes saved first."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from audit.commands.common import fail, resolve_settings, scan_report
+from audit.commands.options import block_table_options, connection_options, key_options, model_options, pick, takes
+from audit.errors import AuditError
+from audit.report.inert import printable
+
+
+@takes(connection_options, key_options, model_options, block_table_options)
+def purge(
+    report_path: Annotated[Optional[Path], typer.Argument(
+        metavar="[REPORT]", help="A JSON/JSONL report whose findings to remove; omit it to scan the live cluster.")] = None,
+    verdict: Annotated[Optional[list[str]], typer.Option("--verdict", help="Only keys with this verdict. Repeatable.")] = None,
+    yes: Annotated[bool, typer.Option("--yes", help="Really remove (default: a dry run that lists what would go).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Remove keys a reader holds a lease on, without waiting.")] = False,
+    evidence: Annotated[Optional[Path], typer.Option("--evidence", help="Where the removed keys' bytes are saved first.",
+                                                     show_default="./mooncake-audit-evidence-<time>")] = None,
+    log: Annotated[Optional[Path], typer.Option("--log", help="Append every outcome here (JSONL).",
+                                                show_default="purge-log.jsonl beside the evidence")] = None,
+    **options,
+) -> None:
+    """Remove flagged keys: dry run unless --yes; evidence saved first; keys changed since the scan
+    are never removed. Exit codes: 0 done, 2 could not run, 3 some keys were not removed."""
+    from datetime import datetime, timezone
+
+    from audit.forensics.purge import purge as run_purge
+    from audit.forensics.purge import targets_from_report, write_log
+    from audit.report.json_report import JsonSink
+
+    if report_path is None and not verdict:
+        raise fail("give a REPORT, or --verdict V to purge what a scan of the live cluster flags")
+    connection = pick(dict(options), connection_options)
+    try:
+        with tempfile.TemporaryDirectory(prefix="mooncake-audit-purge-") as work:
+            if report_path is None:
+                report_path = Path(work) / "scan.json"
+                scan_report(options, False, None, lambda: JsonSink(report_path), **pick(options, key_options),
+                            device="cpu", read_mode="peek")  # no leases: the removals that follow are not refused
+            targets = targets_from_report(report_path, verdict or ())
+            stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+            evidence = evidence or Path(f"mooncake-audit-evidence-{stamp}")
+            log = log or evidence / "purge-log.jsonl"
+            outcomes = run_purge(resolve_settings(**connection), targets, execute=yes, force=force,
+                                 evidence_dir=evidence if yes else None,
+                                 on_outcome=lambda o: typer.echo(f"{o.action:12} {printable(o.key)}"))
+            if yes:
+                write_log(log, outcomes)
+    except AuditError as error:
+        raise fail(str(error)) from None
+    counts = {action: sum(1 for o in outcomes if o.action == action) for action in sorted({o.action for o in outcomes})}
+    summary = ", ".join(f"{action} {n}" for action, n in counts.items()) or "nothing to purge"
+    typer.echo(f"{'purge' if yes else 'dry run (add --yes to remove)'}: {summary}"
+               + (f"; evidence in {printable(str(evidence))}, log {printable(str(log))}" if yes else ""), err=True)
+    raise typer.Exit(0 if set(counts) <= {"would-remove", "removed", "gone"} else 3)
