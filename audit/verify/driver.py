@@ -23,12 +23,16 @@ SPEC (JSON object):
   prompts         list of prompts, each a list of token ids
   cache_prefix    the reference namespace (keys become ``{cache_prefix}@{model}@...``)
   block_size, dtype, tp, max_model_len, max_num_seqs, mamba_cache_mode, mamba_cache_dtype,
-  mamba_ssm_cache_dtype, kv_cache_dtype, prefix_caching, extra (more LLM(...) keyword arguments)
+  mamba_ssm_cache_dtype, kv_cache_dtype, prefix_caching, extra (more LLM(...) keyword arguments;
+                  any other key of the spec not named here is one too: `verify --engine-arg NAME=JSON`)
   max_tokens      tokens to generate per prompt (default 1: the prompt's state is what is published)
   cut_at_boundaries  run every prompt cut at each block boundary too (default true)
   cut_block_size  the block size to cut at (default: the engine's own, after start-up: its Mamba
                   block size, else its block size); cut_block_size_from says where it came from
   out             where the result JSON goes (optional)
+
+The engine's memory is sized to its work (`sized_to_work`), not to vLLM's default share of the
+machine or the GPU (92%): a reference runs beside production, where that share is not free.
 
 The Mooncake config comes from ``MOONCAKE_CONFIG_PATH``, as for any vLLM producer.
 """
@@ -43,12 +47,29 @@ import time
 from array import array
 
 
+# The spec's own keys; every other key is one more LLM(...) keyword argument (`--engine-arg`).
+SPEC_KEYS = frozenset({
+    "model", "prompts", "cache_prefix", "block_size", "dtype", "tp", "max_model_len", "max_num_seqs",
+    "mamba_cache_mode", "mamba_cache_dtype", "mamba_ssm_cache_dtype", "kv_cache_dtype", "prefix_caching",
+    "extra", "max_tokens", "cut_at_boundaries", "cut_block_size", "cut_block_size_from", "out", "seed",
+    "settle_s", "generate_batch"})
+# The LLM(...) arguments that size an engine's memory: given any of them, the operator sizes it.
+MEMORY_ARGS = ("kv_cache_memory_bytes", "num_gpu_blocks_override", "gpu_memory_utilization")
+DEFAULT_MAX_MODEL_LEN = 2048
+# The share of the GPU memory free at start that a reference may ask vLLM to check for (never the
+# default 92% of the whole device: a serving engine may hold most of it).
+FREE_GPU_SHARE = 0.9
+
+
 def engine_kwargs(spec: dict) -> dict:
     """LLM(...) keyword arguments for the reference engine (no vLLM import: testable anywhere)."""
     extra_config = {"cache_prefix": spec["cache_prefix"], "enable_lookup": False}
+    longest = max((len(prompt) for prompt in spec.get("prompts") or ()), default=0)
+    max_model_len = int(spec.get("max_model_len") or max(DEFAULT_MAX_MODEL_LEN,
+                                                         longest + int(spec.get("max_tokens", 1))))
     kwargs = dict(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,
                   enable_prefix_caching=bool(spec.get("prefix_caching", True)),
-                  max_model_len=int(spec.get("max_model_len", 2048)), seed=int(spec.get("seed", 0)),
+                  max_model_len=max_model_len, seed=int(spec.get("seed", 0)),
                   max_num_seqs=int(spec.get("max_num_seqs", 1)),
                   kv_transfer_config={"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
                                       "kv_connector_extra_config": extra_config})
@@ -59,7 +80,44 @@ def engine_kwargs(spec: dict) -> dict:
     if int(spec.get("tp", 1)) > 1:
         kwargs.update(tensor_parallel_size=int(spec["tp"]), distributed_executor_backend="mp")
     kwargs.update(spec.get("extra") or {})
+    kwargs.update({name: value for name, value in spec.items() if name not in SPEC_KEYS})
     return kwargs
+
+
+def sized_to_work(kwargs: dict, block_size: int, layers: int, gpu_memory: tuple[int, int] | None) -> dict:
+    """The memory arguments for an engine that runs `max_num_seqs` requests of up to `max_model_len`
+    tokens and no more: ``num_gpu_blocks_override`` blocks, enough for every KV-cache group of such
+    requests at once (one group per layer at most), so that vLLM allocates only those; an explicit
+    ``kv_cache_memory_bytes`` so that it neither profiles nor checks for its default share of the
+    machine (vLLM's CPU worker refuses to start when that share is not free); on a GPU
+    (`gpu_memory` = (free, total) bytes), a ``gpu_memory_utilization`` within what is free now.
+    Empty when the operator gave any memory argument: theirs stand."""
+    if any(name in kwargs for name in MEMORY_ARGS):
+        return {}
+    per_request = -(-int(kwargs["max_model_len"]) // max(1, int(block_size)))
+    blocks = max(1, int(layers)) * per_request * int(kwargs.get("max_num_seqs", 1)) + 1  # + the null block
+    sized = {"num_gpu_blocks_override": blocks, "kv_cache_memory_bytes": 1 << 20}
+    if gpu_memory is not None:
+        free, total = gpu_memory
+        sized["gpu_memory_utilization"] = max(0.01, round(FREE_GPU_SHARE * free / total, 2) if total else 0.01)
+    return sized
+
+
+def engine_memory(kwargs: dict) -> dict:
+    """`sized_to_work` for the engine `kwargs` describe: vLLM's own resolved config (the block size it
+    will run with, a hybrid's raised block included) and layer count; the GPU's free memory."""
+    if any(name in kwargs for name in MEMORY_ARGS):
+        return {}
+    from vllm.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(**kwargs).create_engine_config()
+    layers = getattr(config.model_config.hf_text_config, "num_hidden_layers", None) or 1
+    gpu_memory = None
+    import torch
+
+    if torch.cuda.is_available():
+        gpu_memory = torch.cuda.mem_get_info()
+    return sized_to_work(kwargs, config.cache_config.block_size, layers, gpu_memory)
 
 
 def boundary_cuts(length: int, block_size: int) -> list[int]:
@@ -120,7 +178,8 @@ def main(argv: list[str]) -> int:
 
     kwargs = engine_kwargs(spec)
     kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
-    llm = LLM(**kwargs)
+    memory = engine_memory(kwargs)
+    llm = LLM(**kwargs, **memory)
     ready = time.monotonic()
     params = SamplingParams(temperature=0.0, max_tokens=int(spec.get("max_tokens", 1)), ignore_eos=True,
                             detokenize=False)
@@ -149,6 +208,7 @@ def main(argv: list[str]) -> int:
               else ("engine" if cut else None),
               "engine_block_size": sizes["block_size"], "engine_mamba_block_size": sizes["mamba_block_size"],
               "token_counts": {**counts, "computed": counts["prompt"] - counts["cached"]},
+              "memory": memory or "the operator's",
               "seconds": {"engine_start": round(ready - started, 1), "generate": round(generated - ready, 1)}}
     if spec.get("out"):
         with open(spec["out"], "w") as handle:

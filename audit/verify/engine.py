@@ -84,13 +84,19 @@ def mooncake_config_for(settings: Settings, config: Path | None, work: Path) -> 
     return path
 
 
-_EXCEPTION_LINE = re.compile(r"^\s*(?:\(\w+ pid=\d+\)\s*)?([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$")
-_WRAPPERS = ("Engine core initialization failed", "See root cause above")
+# An exception line, bare or behind vLLM's prefixes: the process's ``(VllmWorker-0 pid=20983)`` and
+# its logger's ``ERROR 12-03 08:21:23 [multiproc_executor.py:953]``.
+_EXCEPTION_LINE = re.compile(r"^\s*(?:\([^()\s]+ pid=\d+\)\s*)?"
+                             r"(?:[A-Z]+ \d\d-\d\d [\d:.]+ \[[^\]]*\]\s*)?"
+                             r"([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$")
+_WRAPPERS = ("Engine core initialization failed", "See root cause above", "See stack trace for root cause",
+             "WorkerProc initialization failed")
 
 
 def root_cause(output: str) -> str:
-    """vLLM's own reason an engine failed: the last exception line that is not the wrapper
-    ("Engine core initialization failed. See root cause above"); else the log's last lines."""
+    """vLLM's own reason an engine failed: the last exception line, whatever process logged it, that
+    is not a wrapper ("Engine core initialization failed. See root cause above"); else the log's
+    last lines."""
     causes = [f"{match[1]}: {match[2]}" for line in output.splitlines()
               if (match := _EXCEPTION_LINE.match(line)) and not any(w in match[2] for w in _WRAPPERS)]
     if causes:

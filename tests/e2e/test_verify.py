@@ -370,3 +370,72 @@ def test_second_order_without_the_cuts_names_every_key_without_a_twin(state, sec
     assert 0 < summary["unverified"] == len(production) - len(compared)
     assert summary["unverified"] <= 100 and unlisted == production - compared
     assert summary["unverified_reasons"] == {NOT_CUT: summary["unverified"]}
+
+
+# ---- a busy host (issue #42): most of the memory held by another process ---------------------------------
+
+HOLD_SCRIPT = """
+import sys, time
+import numpy as np
+from vllm.utils.cpu_resource_utils import get_memory_node_info
+leave = int(sys.argv[1])
+held = np.ones(max(0, get_memory_node_info(0).available_memory - leave), dtype=np.uint8)  # every page touched
+node = get_memory_node_info(0)
+print(held.nbytes, node.available_memory, node.total_memory, flush=True)
+time.sleep(3600)
+"""
+LEAVE_FREE = 3 << 30   # what the holder leaves on node 0: room for a reference sized to its work
+DEFAULT_SHARE = 0.92   # vLLM's gpu_memory_utilization: on the CPU, the share of node 0 it checks for
+
+
+@pytest.fixture(scope="module")
+def busy_host(state, cluster_a):
+    """A process holding all but LEAVE_FREE of the memory vLLM's CPU worker counts as available on
+    node 0 (its own measure), while `verify --engine` runs as an operator runs it: no
+    VLLM_CPU_KVCACHE_SPACE, vLLM's default multi-process engine."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_SCRIPT, str(LEAVE_FREE)], stdout=subprocess.PIPE,
+                              text=True, env=harness._clean_env())
+    try:
+        held, available, total = map(int, holder.stdout.readline().split())
+        yield {"held": held, "available": available, "total": total}
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _verify_as_operator(config: Path, cluster, model_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    argv = [*harness.cli_command(), "verify", "--config", str(config), "--admin", cluster.admin_url,
+            "--model-config", str(model_dir), "--format", "json", "--all", *extra]
+    env = harness._clean_env()
+    env.update(VLLM_HOST_IP="127.0.0.1")
+    return subprocess.run(argv, cwd=harness.REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_verify_on_a_busy_host_gives_the_idle_hosts_verdicts(state, cluster_a, busy_host):
+    """The reference engine takes only what its prompts need: with most of node 0 held, `verify
+    --engine` gives the verdicts of the idle run (cluster A's); an engine asking for vLLM's default
+    share fails there, and the error is vLLM's own reason, in one line."""
+    cluster, config, production, (_, idle, _) = cluster_a
+    assert busy_host["available"] < DEFAULT_SHARE * busy_host["total"], busy_host  # the host really is busy
+    prompts = state.root / "a" / "prompts.jsonl"
+    common = ("--engine", sys.executable, "--prompts", str(prompts), "--engine-arg", 'dtype="float32"',
+              "--block-size", "16", "--match", "^" + MODEL + "@")  # production's keys: not the references'
+    busy = _verify_as_operator(config, cluster, state.models, "--reference-prefix", "verify-busy", *common)
+    document = json.loads(busy.stdout) if busy.stdout.strip() else {}
+    assert busy.returncode == 0, (busy.stderr[-2000:], [(r["key"], r["evidence"]) for r in document.get("findings", [])])
+    summary, idle_summary = document["summary"]["verify"], idle["summary"]["verify"]
+    state.observed["busy_host"] = {**busy_host, "exit_code": busy.returncode,
+                                   "memory": summary["reference_run"].get("memory"),
+                                   "wall_s": summary["reference_run"].get("wall_s")}
+    for field in ("pairs", "pairs_compared", "unverified", "divergent", "reference_keys", "reference_without_twin"):
+        assert summary[field] == idle_summary[field], (field, summary[field], idle_summary[field])
+    verdicts = {r["key"]: r["verdicts"] for r in document["keys"]}
+    assert verdicts == {r["key"]: r["verdicts"] for r in idle["keys"]} and set(verdicts) == set(production)
+    assert summary["reference_run"]["memory"]["num_gpu_blocks_override"] > 0
+
+    greedy = _verify_as_operator(config, cluster, state.models, "--reference-prefix", "verify-greedy", *common,
+                                 "--engine-arg", f"gpu_memory_utilization={DEFAULT_SHARE}")
+    error = [line for line in greedy.stderr.splitlines() if line.startswith("mooncake-audit: error:")]
+    state.observed["busy_host"]["default_share_error"] = error
+    assert greedy.returncode == 2 and "Traceback" not in greedy.stderr, greedy.stderr[-2000:]
+    assert len(error) == 1 and "ValueError: Available memory on node" in error[0], greedy.stderr[-2000:]

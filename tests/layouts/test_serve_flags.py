@@ -75,3 +75,18 @@ def test_the_reference_engines_root_cause_is_named():
     ])
     assert root_cause(log) == "ValueError: block_size must be divisible by hash_block_size"
     assert root_cause("one\ntwo") == "one | two"
+
+
+def test_the_root_cause_behind_a_workers_log_prefix_is_named():
+    """vLLM's multi-process worker logs its reason behind its process and logger prefixes (issue #42:
+    a busy host), then the engine core wraps it twice."""
+    reason = ("ValueError: Available memory on node 0 (12.56/15.96 GiB) on startup is less than desired CPU "
+              "memory utilization (0.92, 14.69 GiB).")
+    log = "\n".join([
+        "(VllmWorker-0 pid=20983) INFO 12-03 08:21:22 [cpu_worker.py:70] starting",
+        f"(VllmWorker-0 pid=20983) ERROR 12-03 08:21:23 [multiproc_executor.py:953] {reason}",
+        "(EngineCore_DP0 pid=20900) ERROR 12-03 08:21:24 [core.py:1100] Exception: WorkerProc initialization "
+        "failed due to an exception in a background process. See stack trace for root cause.",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+    ])
+    assert root_cause(log) == reason

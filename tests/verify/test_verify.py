@@ -175,6 +175,35 @@ def test_driver_engine_kwargs_never_look_up_and_use_the_prefix():
     assert kwargs["max_num_seqs"] == 1 and kwargs["block_size"] == 16 and kwargs["enable_prefix_caching"]
 
 
+def test_driver_engine_kwargs_take_the_operators_engine_args_and_fit_the_longest_prompt():
+    from audit.verify.driver import engine_kwargs
+
+    spec = {"model": "/m/x", "cache_prefix": "ref", "prompts": [[1] * 3000, [2] * 5], "max_tokens": 2,
+            "gpu_memory_utilization": 0.3, "enforce_eager": False}
+    kwargs = engine_kwargs(spec)
+    assert kwargs["gpu_memory_utilization"] == 0.3 and kwargs["enforce_eager"] is False  # --engine-arg
+    assert kwargs["max_model_len"] == 3002 and "prompts" not in kwargs and "cache_prefix" not in kwargs
+    assert engine_kwargs({"model": "/m/x", "cache_prefix": "ref", "prompts": [[1] * 10]})["max_model_len"] == 2048
+
+
+def test_the_reference_engine_is_sized_to_its_prompts_not_to_the_machine():
+    from audit.verify.driver import sized_to_work
+
+    kwargs = {"max_model_len": 2048, "max_num_seqs": 1}
+    # a 2-layer Mamba2 at block 16: every group (one per layer at most) holds a whole request, + the null block
+    assert sized_to_work(kwargs, 16, 2, None) == {"num_gpu_blocks_override": 2 * 128 + 1,
+                                                   "kv_cache_memory_bytes": 1 << 20}
+    # a hybrid's raised block: fewer, larger blocks; two requests at once: twice the blocks
+    assert sized_to_work({"max_model_len": 1200, "max_num_seqs": 2}, 544, 4, None)["num_gpu_blocks_override"] == 25
+    # on a GPU: vLLM checks for a share of the whole device at start; ask only for what is free now
+    gpu = sized_to_work(kwargs, 16, 2, (20 << 30, 141 << 30))
+    assert gpu["gpu_memory_utilization"] == 0.13
+    # the operator's own memory arguments stand
+    for given in ({"kv_cache_memory_bytes": 1 << 30}, {"gpu_memory_utilization": 0.5},
+                  {"num_gpu_blocks_override": 64}):
+        assert sized_to_work({**kwargs, **given}, 16, 2, None) == {}
+
+
 # ---- cutting prompts at block boundaries (the reference driver) ------------------------------------------
 
 
