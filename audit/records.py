@@ -26,6 +26,8 @@ class Verdict(StrEnum):
     IDENTITY_SUSPECT = "IDENTITY_SUSPECT"  # size or bytes unlike the producer the name claims
     # From `verify`: the value differs from a reference producer's recomputation of the same key.
     DIVERGENT_STATE = "DIVERGENT_STATE"    # a state/KV region beyond tolerance of its reference twin
+    # Needs the producer's weights (--model-config DIR with the checkpoint): layer-0 binding.
+    WEIGHTS_MISMATCH = "WEIGHTS_MISMATCH"  # layer 0's conv rows are not images of any token under them
     # Recorded, not a finding: the key went away or changed between listing and reading.
     VANISHED = "VANISHED"                  # -704
     MOVED = "MOVED"                        # a lease-free read raced a change: the descriptor moved
@@ -43,7 +45,7 @@ class Verdict(StrEnum):
 FINDINGS = frozenset({Verdict.ZERO_VALUE, Verdict.SHARED_CONTENT, Verdict.CHECKSUM_MISMATCH,
                       Verdict.NULL_BACKED, Verdict.ZERO_STATE, Verdict.PARTIAL_ZERO, Verdict.NONFINITE,
                       Verdict.SIZE_MISMATCH, Verdict.REPLICA_DIVERGENT, Verdict.INCOMPLETE_CHUNK,
-                      Verdict.IDENTITY_SUSPECT, Verdict.DIVERGENT_STATE})
+                      Verdict.IDENTITY_SUSPECT, Verdict.DIVERGENT_STATE, Verdict.WEIGHTS_MISMATCH})
 INCOMPLETE = frozenset({Verdict.UNREACHABLE, Verdict.READ_ERROR})
 
 
@@ -59,6 +61,7 @@ SEVERITY = {Verdict.ZERO_VALUE: Severity.ERROR, Verdict.ZERO_STATE: Severity.ERR
             Verdict.PARTIAL_ZERO: Severity.ERROR, Verdict.NONFINITE: Severity.ERROR,
             Verdict.SIZE_MISMATCH: Severity.ERROR, Verdict.CHECKSUM_MISMATCH: Severity.ERROR,
             Verdict.REPLICA_DIVERGENT: Severity.ERROR, Verdict.DIVERGENT_STATE: Severity.ERROR,
+            Verdict.WEIGHTS_MISMATCH: Severity.ERROR,
             Verdict.IDENTITY_SUSPECT: Severity.ERROR,  # a size outlier alone: a warning (verdict_severity)
             Verdict.SHARED_CONTENT: Severity.WARNING, Verdict.INCOMPLETE_CHUNK: Severity.WARNING}
 

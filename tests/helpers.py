@@ -55,3 +55,46 @@ def check_in_buffer(values: dict[str, bytes], plan) -> dict:
     slots = [Slot(KeyInfo(name, len(value)), at) for (name, value), at in zip(values.items(), offsets)]
     batch = FetchedBatch(slots, [len(value) for value in values.values()], buffer)
     return {record.key: record for record in check_batch(batch, HostChecker(), plan)}
+
+
+def write_safetensors(path, tensors: dict, bfloat16: bool = False) -> None:
+    """A safetensors file of float32 numpy `tensors` (as BF16, their upper halves, with `bfloat16`)."""
+    import struct
+
+    import numpy as np
+
+    header, chunks, offset = {}, [], 0
+    for name, array in tensors.items():
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        data = (array.view(np.uint32) >> 16).astype(np.uint16).tobytes() if bfloat16 else array.tobytes()
+        header[name] = {"dtype": "BF16" if bfloat16 else "F32", "shape": list(array.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
+    encoded = json.dumps(header).encode()
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(encoded)) + encoded + b"".join(chunks))
+
+
+# A Mamba2 small enough to compute by hand: d_inner 16, conv_dim 16 + 2 * n_groups * 4, 4 heads.
+TINY_MAMBA2_CONFIG = {"model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"], "hidden_size": 8, "expand": 2,
+                      "n_groups": 1, "state_size": 4, "num_heads": 4, "head_dim": 4, "conv_kernel": 4,
+                      "num_hidden_layers": 2, "vocab_size": 32, "layer_norm_epsilon": 1e-5, "torch_dtype": "float32"}
+
+
+def tiny_mamba2_checkpoint(directory, seed: int = 0, bfloat16: bool = False, **config) -> dict:
+    """A Mamba2 model directory (config.json and model.safetensors with layer 0's tensors) of random
+    weights; returns its tensors."""
+    import numpy as np
+
+    config = {**TINY_MAMBA2_CONFIG, **config}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(seed)
+    hidden, inner = config["hidden_size"], config["expand"] * config["hidden_size"]
+    rows = 2 * inner + 2 * config["n_groups"] * config["state_size"] + config["num_heads"]
+    tensors = {"backbone.embeddings.weight": rng.standard_normal((config["vocab_size"], hidden)).astype(np.float32),
+               "backbone.layers.0.norm.weight": (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32),
+               "backbone.layers.0.mixer.in_proj.weight": rng.standard_normal((rows, hidden)).astype(np.float32)}
+    write_safetensors(directory / "model.safetensors", tensors, bfloat16=bfloat16)
+    return tensors

@@ -77,11 +77,13 @@ def model_layouts(model_config, model, conv_layout, layout, kernel_block_size=No
 def check_plan(model_config, model, conv_layout, layout, layout_for_all, block_tables=None, lenient=False,
                include_all=False, **layout_options):
     from audit.blocktables import read_block_tables
+    from audit.judge.binding import Bindings
     from audit.judge.plan import CheckPlan
 
     layouts = model_layouts(model_config, model, conv_layout, layout, **layout_options)
     tables = read_block_tables(block_tables, lenient=lenient) if block_tables else None
-    plan = CheckPlan(layouts=layouts, layout_for_all=layout_for_all, tables=tables, keep_regions=include_all)
+    plan = CheckPlan(layouts=layouts, layout_for_all=layout_for_all, tables=tables, keep_regions=include_all,
+                     bindings=Bindings.of(model_config or (), model))
     if block_tables:  # the recorder's manifests beside its records: the producer's own layouts
         plan.use_manifests(block_tables)
     return plan

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from audit.blocktables import BlockTables
 from audit.errors import AuditError
 from audit.layouts import Layout, LayoutError, select_layout
+from audit.judge.binding import Bindings
 from audit.judge.readings import SAMPLE_KEYS, SampleTally
 from audit.layouts.infer import (MANIFEST_FLAG, LayoutRequest, describe_reading, infer_layouts, observed_sizes,
                                  settling_flags)
@@ -27,6 +28,7 @@ class CheckPlan:
     inference: list[dict] | None = None  # what fit_sizes inferred, for the report's layout_inference
     readings: dict = field(default_factory=dict)  # (model, group) -> its Readings, while undecided
     manifests: ProducerManifests | None = None  # the producer's own layouts (use_manifests)
+    bindings: Bindings | None = None   # the checkpoints given: layer-0 binding (WEIGHTS_MISMATCH)
     _cache: dict = field(default_factory=dict, repr=False)
     _readings_of: dict = field(default_factory=dict, repr=False)  # id(layout) -> (layout, readings, tuple)
     _samples: dict = field(default_factory=dict, repr=False)  # (model, group) -> its SampleTally, while sampling

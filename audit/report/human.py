@@ -46,6 +46,14 @@ def _ambiguous_layouts(summary: dict) -> list[str]:
             for row in summary.get("layout_inference") or () if row.get("status") == "ambiguous"]
 
 
+def _binding_line(binding: dict) -> str:
+    """Which models' states were bound to their weights at layer 0, and why the others were not."""
+    bound = ", ".join(printable(model, 60) for model in binding["bound"]) or "none"
+    not_bound = "; ".join(f"{printable(model, 60)}: {printable(reason, 160)}"
+                          for model, reason in binding["not_bound"].items())
+    return f"layer-0 binding: {bound}" + (f"; not bound: {not_bound}" if not_bound else "")
+
+
 def _scope(findings: list[KeyRecord]) -> list[str]:
     """Where the findings are, for the operator deciding what to purge: per vLLM model and rank."""
     parsed = [r.parsed_fields() for r in findings]
@@ -81,6 +89,8 @@ class HumanSink(WholeReportSink):
                           markup=False)
         for line in _ambiguous_layouts(summary):
             console.print(line, markup=False)
+        if "binding" in summary:
+            console.print(_binding_line(summary["binding"]), markup=False)
         if "coverage" in summary:
             for line in [coverage_headline(summary["coverage"]), *gap_lines(summary["coverage"])]:
                 console.print(line, markup=False)

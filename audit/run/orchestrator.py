@@ -344,6 +344,8 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
             with phases.phase("state dir (keys seen)"):
                 state.remember(records.name_hashes())
     context["finished_at"] = _now()
+    if options.plan.bindings is not None and options.plan.bindings.directories:
+        context["binding"] = options.plan.bindings.summary(in_tasks=ray_scan is not None)
     with phases.phase("merge (cross-key verdicts, summary)"):
         report = merge_records(records, context=context, keys_listed=max(keys_listed, len(records)),
                                keys_selected=max(keys_selected, len(records)), interrupted=interrupted,

@@ -16,6 +16,7 @@ import numpy as np
 
 from audit.producers import SCREEN_BYTES, describe_themselves
 from audit.readers.buffers import FetchedBatch, plan_batches
+from audit.judge.binding import bind_values
 from audit.judge.key import judge_read, judge_readings
 from audit.judge.plan import CheckPlan
 from audit.judge.values import judge_reading, may_be_configured, model_configs, value_reading
@@ -45,6 +46,11 @@ def check_batch(batch: FetchedBatch, checker, plan: CheckPlan, evidence=None) ->
             slot = batch.slots[i]
             records[i] = judge_readings(records[i], slot.key, batch.results[i], every_reading[i], layouts_of,
                                         plan.table_entry(slot.key))
+        if plan.bindings is not None and plan.bindings.directories:  # the weights given: layer-0 binding
+            values = [None] * len(records)
+            for i in readable:
+                values[i] = batch.view(batch.slots[i], batch.slots[i].key.size)
+            bind_values(records, values, layouts, plan.bindings)
         if batch.replicas is not None:  # a peek read: every replica's digest
             for record, rows in zip(records, batch.replicas):
                 judge_replicas(record, rows)

@@ -161,6 +161,17 @@ def run_engine(model_dir: Path, config_path: Path | None, batches: list[list[lis
                      unsent=result.get("unsent_after_drain"), prompts=result.get("prompts") or batches)
 
 
+def make_model(out: Path, name: str, seed: int) -> Path:
+    """One tiny model of tests/e2e/models.py with the weights of `seed` (another checkpoint under the
+    same name), made in a subprocess like the session's models."""
+    code = ("import sys, torch; from pathlib import Path; import tests.e2e.models as m; "
+            "real = torch.manual_seed; torch.manual_seed = lambda s: real(int(sys.argv[2])); "
+            "print(m.make(m.ALL_MODELS[sys.argv[3]], Path(sys.argv[1])))")
+    subprocess.run([sys.executable, "-c", code, str(out), str(seed), name], check=True, capture_output=True,
+                   timeout=300, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    return out / name
+
+
 def sized_batch(count: int, blocks: int, extra: int, seed: int) -> dict:
     """`count` random prompts of `blocks` full blocks and `extra` tokens, at the block size the engine
     reports (tests/e2e/producer.py makes them): a case publishes keys on any CPU, whatever block

@@ -16,7 +16,6 @@ The measured noise floor is written to verify_observed.json beside this file (do
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -55,12 +54,7 @@ def _engine_env(config: Path | None = None) -> dict:
 
 def _make_model(out: Path, seed: int) -> Path:
     """The harness's tiny Mamba2 (tests/e2e/models.py), with the weights of `seed`."""
-    code = ("import sys, torch, json; from pathlib import Path; import tests.e2e.models as m; "
-            "real = torch.manual_seed; torch.manual_seed = lambda s: real(int(sys.argv[2])); "
-            "print(m.make(m.MODELS[sys.argv[3]], Path(sys.argv[1])))")
-    subprocess.run([sys.executable, "-c", code, str(out), str(seed), MODEL], check=True, capture_output=True,
-                   timeout=300, cwd=harness.REPO, env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    return out / MODEL
+    return harness.make_model(out, MODEL, seed)
 
 
 def extension_prompts() -> list[list[int]]:

@@ -41,6 +41,9 @@ class Family:
     name: str
     build: Callable[[dict, Options], list[Layout]]
     default_block: int | None = None
+    # ``token_images(text_config, checkpoint, model, tp_size, tp_rank)``: layer 0's state rows of
+    # every token (`audit.layouts.images`), or None: this family's keys are not bound to tokens yet
+    token_images: Callable | None = None
 
 
 def attention_shape(config: dict, options: Options) -> AttentionShape:

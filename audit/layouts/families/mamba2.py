@@ -4,8 +4,11 @@ names of their config fields and in how their layers are laid out."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..hf_config import config_int, layer_kinds
 from ..hybrid import ATTENTION, STATE
+from ..images import TokenImages
 from ..model import LayoutError, Layout
 from ..pages import AttentionShape
 from ..states import mamba2_states
@@ -114,8 +117,81 @@ def _zamba2(config: dict, options: Options) -> list[Layout]:
     return build_layouts(config, options, "mamba2", states, kinds, attention)
 
 
-MAMBA2 = Family("mamba2", _mamba2)
-NEMOTRON_H = Family("nemotron_h", _nemotron_h)
+def conv_columns(intermediate: int, n_groups: int, state_size: int, tp_size: int, tp_rank: int) -> np.ndarray:
+    """The columns of the unsharded ``xBC`` (x, then B, then C) one TP rank's conv state holds, in its
+    order: vLLM's ``mamba_v2_sharded_weight_loader`` gives each rank its share of x and of the
+    groups, and every rank the whole group when there is one."""
+    groups = n_groups * state_size
+    if intermediate % tp_size or (n_groups % tp_size and n_groups != 1):
+        raise LayoutError(f"mamba2: {intermediate} channels and {n_groups} groups do not shard over TP {tp_size}")
+    share = intermediate // tp_size
+    x = np.arange(tp_rank * share, (tp_rank + 1) * share)
+    if n_groups % tp_size == 0:
+        own = np.arange(tp_rank * groups // tp_size, (tp_rank + 1) * groups // tp_size)
+    else:  # one group, replicated onto every rank
+        own = np.arange(groups)
+    return np.concatenate([x, intermediate + own, intermediate + groups + own])
+
+
+def _mamba2_rule(config: dict, checkpoint, model: str, tp_size: int, tp_rank: int, *, intermediate: int,
+                 groups: str, state: str, heads: str, embeddings: tuple[str, ...], norm: str, in_proj: str,
+                 eps: str, embedding_scale: float = 1.0) -> TokenImages:
+    """Layer 0 of a model built on vLLM's MambaMixer2: its pre-norm, then ``in_proj``, whose outputs
+    are ``[2 * d_mlp, z (d_inner), xBC (conv_dim), dt (heads)]``; the conv state holds ``xBC``. The
+    families differ in the names of their fields and tensors, and Granite scales its embeddings."""
+    n_groups, state_size = config_int(config, groups), config_int(config, state)
+    embeddings = checkpoint.first(*embeddings)
+    weight = checkpoint.tensor(in_proj)
+    conv_dim = intermediate + 2 * n_groups * state_size
+    d_mlp = (weight.shape[0] - intermediate - conv_dim - config_int(config, heads)) // 2
+    if d_mlp < 0:
+        raise LayoutError(f"{in_proj} has {weight.shape[0]} rows: fewer than z, xBC and dt need")
+    xbc = weight[2 * d_mlp + intermediate: 2 * d_mlp + intermediate + conv_dim]
+    columns = conv_columns(intermediate, n_groups, state_size, tp_size, tp_rank)
+    return TokenImages(model, tp_size, tp_rank, checkpoint.matrix(embeddings), checkpoint.tensor(norm),
+                       float(config.get(eps, 1e-5)), np.ascontiguousarray(xbc[columns]), embedding_scale,
+                       source={"embeddings": embeddings, "norm": norm, "projection": in_proj + " (xBC)"},
+                       checkpoint=checkpoint.identity)
+
+
+def _mamba2_images(config: dict, checkpoint, model: str, tp_size: int, tp_rank: int) -> TokenImages:
+    """HF Mamba2 (``Mamba2ForCausalLM``)."""
+    return _mamba2_rule(config, checkpoint, model, tp_size, tp_rank, intermediate=_expanded(config, "expand"),
+                        groups="n_groups", state="state_size", heads="num_heads",
+                        embeddings=("backbone.embeddings.weight", "backbone.embedding.weight"),
+                        norm="backbone.layers.0.norm.weight", in_proj="backbone.layers.0.mixer.in_proj.weight",
+                        eps="layer_norm_epsilon")
+
+
+def _nemotron_h_images(config: dict, checkpoint, model: str, tp_size: int, tp_rank: int) -> TokenImages:
+    """Nemotron-H, where layer 0 is a Mamba2 mixer."""
+    return _mamba2_rule(config, checkpoint, model, tp_size, tp_rank,
+                        intermediate=config_int(config, "mamba_num_heads") * config_int(config, "mamba_head_dim"),
+                        groups="n_groups", state="ssm_state_size", heads="mamba_num_heads",
+                        embeddings=("backbone.embeddings.weight",), norm="backbone.layers.0.norm.weight",
+                        in_proj="backbone.layers.0.mixer.in_proj.weight", eps="layer_norm_epsilon")
+
+
+def _granite_images(config: dict, checkpoint, model: str, tp_size: int, tp_rank: int) -> TokenImages:
+    """GraniteMoeHybrid and Bamba, where layer 0 is Mamba2: vLLM scales the embeddings by the
+    config's ``embedding_multiplier`` (12 in the released Granite 4.0 models) before layer 0."""
+    return _mamba2_rule(config, checkpoint, model, tp_size, tp_rank, intermediate=_expanded(config, "mamba_expand"),
+                        groups="mamba_n_groups", state="mamba_d_state", heads="mamba_n_heads",
+                        embeddings=("model.embed_tokens.weight",), norm="model.layers.0.input_layernorm.weight",
+                        in_proj="model.layers.0.mamba.in_proj.weight", eps="rms_norm_eps",
+                        embedding_scale=float(config.get("embedding_multiplier", 1.0)))
+
+
+def _zamba2_images(config: dict, checkpoint, model: str, tp_size: int, tp_rank: int) -> TokenImages:
+    """Zamba2: every layer's Mamba2 mixer after its ``input_layernorm``."""
+    return _mamba2_rule(config, checkpoint, model, tp_size, tp_rank, intermediate=_expanded(config, "mamba_expand"),
+                        groups="mamba_ngroups", state="mamba_d_state", heads="n_mamba_heads",
+                        embeddings=("model.embed_tokens.weight",), norm="model.layers.0.input_layernorm.weight",
+                        in_proj="model.layers.0.mamba.in_proj.weight", eps="rms_norm_eps")
+
+
+MAMBA2 = Family("mamba2", _mamba2, token_images=_mamba2_images)
+NEMOTRON_H = Family("nemotron_h", _nemotron_h, token_images=_nemotron_h_images)
 FALCON_H1 = Family("falcon_h1", _falcon_h1)
-GRANITE = Family("granite_mamba2", _granite)
-ZAMBA2 = Family("zamba2", _zamba2)
+GRANITE = Family("granite_mamba2", _granite, token_images=_granite_images)
+ZAMBA2 = Family("zamba2", _zamba2, token_images=_zamba2_images)

@@ -1,0 +1,136 @@
+"""Layer-0 binding's cost (issue #40): whole `scan` processes of one Mamba2 store, given the model
+directory with its checkpoint (every key bound; its probe kept in the cache from an earlier run, as
+for a scan from cron, or built afresh) against the same config.json without it (no binding),
+interleaved, in one run.
+
+    python -m benchmarks.binding                    # 160 keys of 9.7 MB (1.55 GB), 5 pairs
+    python -m benchmarks.binding --keys 8 --runs 1  # a smoke run
+
+The model is mamba2-130m's geometry (24 layers, hidden 768, d_inner 1536, one group, d_state 128,
+24 heads of 64, vocabulary 50,288) with random bfloat16 weights: its checkpoint holds the tensors
+layer 0's images need (embeddings 77 MB, layer 0's norm and in_proj). Each value is what vLLM on a
+GPU publishes for it at TP 1 (conv and ssm state bfloat16, 9.7 MB): layer 0's conv rows are the
+images of three random tokens rounded to bfloat16, every other byte a plausible state. One
+`audit.cluster.LocalCluster` holds them. Both commands are `python -m cli scan --model-config DIR
+--dtype bfloat16 --mamba-ssm-cache-dtype bfloat16 --format json`, timed from spawn to reaped exit
+(`benchmarks.paired.run`), in turn A B C, C B A, ...; every run's report is checked (no finding, and
+the summary's binding says the model was bound, or is absent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+from benchmarks.common import machine, state_like, text_table  # noqa: E402
+from benchmarks.paired import run  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+NAME = "mamba2-130m"
+CONFIG = {"model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"], "hidden_size": 768, "expand": 2,
+          "n_groups": 1, "state_size": 128, "num_heads": 24, "head_dim": 64, "conv_kernel": 4,
+          "num_hidden_layers": 24, "vocab_size": 50288, "layer_norm_epsilon": 1e-5, "torch_dtype": "bfloat16"}
+FLAGS = ["--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "bfloat16"]
+
+
+def model_dirs(root: Path) -> tuple[Path, Path]:
+    """The model directory with its checkpoint, and one with only its config.json (same name)."""
+    from tests.helpers import write_safetensors
+
+    bound, unbound = root / "bound" / NAME, root / "unbound" / NAME
+    for path in (bound, unbound):
+        path.mkdir(parents=True)
+        (path / "config.json").write_text(json.dumps(CONFIG))
+    rng = np.random.default_rng(40)
+    hidden, rows = CONFIG["hidden_size"], 2 * 1536 + 2 * 128 + 24
+    write_safetensors(bound / "model.safetensors", {
+        "backbone.embeddings.weight": rng.standard_normal((CONFIG["vocab_size"], hidden), dtype=np.float32) * 0.02,
+        "backbone.layers.0.norm.weight": 1 + 0.1 * rng.standard_normal(hidden, dtype=np.float32),
+        "backbone.layers.0.mixer.in_proj.weight": rng.standard_normal((rows, hidden), dtype=np.float32) * 0.03,
+    }, bfloat16=True)
+    return bound, unbound
+
+
+def publish(cluster, bound: Path, keys: int) -> int:
+    """`keys` values of the model's layout, layer 0's conv rows the bfloat16 images of random tokens."""
+    from audit.connection import Settings
+    from audit.judge.plan import load_layouts
+    from audit.layouts.weights import token_images
+    from audit.producers.vllm import vllm_key
+    from audit.workload import Publisher
+
+    (layout,) = load_layouts(model_configs=[bound], model_dtype="bfloat16", ssm_dtype="bfloat16")
+    conv = next(region for segment, region in layout.regions() if segment.layer == 0 and region.name == "conv")
+    images = token_images(bound, NAME, 1, 0)
+    rng = np.random.default_rng(41)
+    publisher = Publisher(Settings(master=cluster.master_address, metadata=cluster.metadata_url,
+                                   admin=cluster.admin_url, local_hostname="127.0.0.1"))
+    try:
+        for index in range(keys):
+            value = state_like(rng, layout.size)
+            rows = images.images(rng.integers(0, CONFIG["vocab_size"], 3)).astype(np.float32)
+            bits = rows.view(np.uint32)
+            value[conv.offset:conv.offset + conv.length] = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(
+                np.uint16).view(np.uint8).reshape(-1)
+            publisher.put(vllm_key(NAME, f"{index:064x}"), value.tobytes())
+    finally:
+        publisher.close()
+    return layout.size
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keys", type=int, default=160)
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    from audit.cluster import LocalCluster
+
+    with tempfile.TemporaryDirectory(prefix="bench-binding-") as scratch:
+        bound, unbound = model_dirs(Path(scratch))
+        with LocalCluster(holders=1, segment_mb=max(256, args.keys * 10 + 64)) as cluster:
+            size = publish(cluster, bound, args.keys)
+            env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+            def command(model_dir: Path, out: str) -> list[str]:
+                return [sys.executable, "-m", "cli", "scan", "--master", cluster.master_address, "--metadata",
+                        cluster.metadata_url, "--admin", cluster.admin_url, "--local-hostname", "127.0.0.1",
+                        "--model-config", str(model_dir), *FLAGS, "--format", "json", "--no-progress",
+                        "--output", str(Path(scratch) / out)]
+
+            cache = Path(scratch) / "cache"
+            measured: dict[str, list[dict]] = {"binding": [], "binding, probe not kept": [], "no binding": []}
+            for round_ in range(args.runs + 1):  # the first round warms caches, unmeasured
+                order = [("binding", bound), ("binding, probe not kept", bound), ("no binding", unbound)]
+                for label, model_dir in (order if round_ % 2 else order[::-1]):
+                    kept = cache / ("kept" if label == "binding" else f"fresh-{round_}")
+                    result = run(command(model_dir, "report.json"), {**env, "MOONCAKE_AUDIT_CACHE": str(kept)}, ROOT)
+                    summary = json.loads((Path(scratch) / "report.json").read_text())["summary"]
+                    assert summary["keys_scanned"] == args.keys and summary["findings"] == 0, summary
+                    assert (summary.get("binding", {}).get("bound") == [NAME]) == (label != "no binding"), summary
+                    if round_:
+                        measured[label].append(result)
+    lines = []
+    for label, runs in measured.items():
+        lines.append([label, f"{statistics.median(r['wall'] for r in runs):.3f}",
+                      f"{min(r['wall'] for r in runs):.3f}-{max(r['wall'] for r in runs):.3f}",
+                      f"{statistics.median(r['cpu'] for r in runs):.2f}", f"{statistics.median(r['rss_mib'] for r in runs):.0f}"])
+    print(f"{args.keys} keys x {size:,} B ({args.keys * size / 1e9:.2f} GB), {args.runs} rounds; {machine()}")
+    print(text_table(["scan", "wall s (median)", "min-max", "cpu s", "peak RSS MiB"], lines))
+    for label in ("binding", "binding, probe not kept"):
+        ratios = [a["wall"] / b["wall"] for a, b in zip(measured[label], measured["no binding"])]
+        print(f"{label} / no binding, round by round: median {statistics.median(ratios):.3f} "
+              f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

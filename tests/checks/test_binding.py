@@ -1,0 +1,38 @@
+"""Decoding layer-0 rows into tokens (issue #40): exact images, rounded ones, other weights."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from audit.checks.binding import ROW_TOLERANCE, nearest_tokens
+from audit.layouts.weights import token_images
+from tests.helpers import tiny_mamba2_checkpoint
+
+
+def _bfloat16(rows: np.ndarray) -> np.ndarray:
+    """Rounded to bfloat16 (to nearest even), as a state held in bfloat16 is."""
+    bits = rows.astype(np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).view(np.float32)
+
+
+def test_images_decode_to_their_tokens_at_distance_zero(tmp_path):
+    tiny_mamba2_checkpoint(tmp_path / "m")
+    images = token_images(tmp_path / "m", "m", 1, 0)
+    tokens, distances = nearest_tokens(images.images([4, 4, 31, 0]), images)
+    assert tokens.tolist() == [4, 4, 31, 0] and distances.max() < 1e-6  # the same sums, another order
+
+
+def test_rows_held_in_bfloat16_decode_to_their_tokens_within_the_tolerance(tmp_path):
+    tiny_mamba2_checkpoint(tmp_path / "m")
+    images = token_images(tmp_path / "m", "m", 1, 0)
+    tokens, distances = nearest_tokens(_bfloat16(images.images(list(range(32)))), images)
+    assert tokens.tolist() == list(range(32))
+    assert 0 < distances.max() < ROW_TOLERANCE / 5
+
+
+def test_rows_of_other_weights_are_far_from_every_image(tmp_path):
+    tiny_mamba2_checkpoint(tmp_path / "m", seed=0)
+    tiny_mamba2_checkpoint(tmp_path / "other" / "m", seed=1)
+    ours, theirs = token_images(tmp_path / "m", "m", 1, 0), token_images(tmp_path / "other" / "m", "m", 1, 0)
+    _, distances = nearest_tokens(theirs.images(list(range(32))), ours)
+    assert distances.min() > ROW_TOLERANCE

@@ -1,0 +1,67 @@
+"""WEIGHTS_MISMATCH in a real scan (issue #40): values whose layer-0 conv rows are images of tokens
+under the weights given are clean; rows made under other weights, and garbage, are flagged; a model
+whose directory holds no weights is scanned as before and named as not bound."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+
+from audit.judge.plan import load_layouts
+from audit.layouts.weights import token_images
+from audit.producers.vllm import vllm_key
+from tests.helpers import report_schema, run_cli, tiny_mamba2_checkpoint
+
+MODEL = "m-tiny"
+FLAGS = ("--state-dtype", "float32", "--ssm-dtype", "float32")
+
+
+def _value(layout, conv_rows: np.ndarray, rng) -> bytes:
+    """A state value of `layout`: layer 0's conv rows as given, every other region random."""
+    value = bytearray()
+    for segment, region in layout.regions():
+        numbers = conv_rows if (segment.layer, region.name) == (0, "conv") else rng.standard_normal(region.shape)
+        value += np.asarray(numbers, dtype=np.float32).tobytes()
+    return bytes(value)
+
+
+def _scan(cli_args, namespace, model_dir, *extra):
+    result = run_cli("scan", *cli_args, "--prefix", namespace[:-1] + "@", "--model-config", str(model_dir), *FLAGS,
+                     "--format", "json", "--no-progress", *extra)
+    assert result.exit_code in (0, 1), result.output
+    document = json.loads(result.stdout)
+    jsonschema.validate(document, report_schema())
+    return result.exit_code, document
+
+
+def test_rows_of_other_weights_or_garbage_are_weights_mismatch(publisher, cli_args, namespace, tmp_path):
+    ours = tmp_path / MODEL
+    tiny_mamba2_checkpoint(ours, seed=0)
+    tiny_mamba2_checkpoint(tmp_path / "other" / MODEL, seed=1)
+    (layout,) = load_layouts(model_configs=[ours], state_dtype="float32", ssm_dtype="float32")
+    mine, theirs = token_images(ours, MODEL, 1, 0), token_images(tmp_path / "other" / MODEL, MODEL, 1, 0)
+    rng = np.random.default_rng(7)
+    healthy = {vllm_key(MODEL, f"{i:064x}", cache_prefix=namespace[:-1]): mine.images(rng.integers(0, 32, 3))
+               for i in range(6)}
+    planted = {vllm_key(MODEL, f"{100 + i:064x}", cache_prefix=namespace[:-1]): rows for i, rows in enumerate(
+        [theirs.images([1, 2, 3]), rng.standard_normal((3, 24))])}
+    for key, rows in {**healthy, **planted}.items():
+        publisher.put(key, _value(layout, rows, rng))
+    code, document = _scan(cli_args, namespace, ours)
+    flagged = {r["key"]: r for r in document["findings"]}
+    assert set(flagged) == set(planted) and code == 1
+    for record in flagged.values():
+        assert record["verdicts"] == ["WEIGHTS_MISMATCH"]
+        evidence = record["evidence"]["weights_mismatch"]
+        assert evidence["layer"] == 0 and min(row["distance"] for row in evidence["rows"]) > evidence["row_tolerance"]
+    assert document["summary"]["binding"] == {"bound": [MODEL], "not_bound": {}, "row_tolerance": 0.05}
+    assert document["summary"]["verdicts"].get("WEIGHTS_MISMATCH") == 2
+    human = run_cli("scan", *cli_args, "--prefix", namespace[:-1] + "@", "--model-config", str(ours), *FLAGS,
+                    "--no-progress")
+    assert "layer-0 binding: m-tiny" in human.stdout and "WEIGHTS_MISMATCH=2" in human.stdout, human.stdout
+
+    (ours / "model.safetensors").unlink()  # the config alone: nothing to bind against, the scan as before
+    code, document = _scan(cli_args, namespace, ours)
+    assert code == 0 and document["findings"] == [] and "binding" not in document["summary"]

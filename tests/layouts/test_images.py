@@ -1,0 +1,94 @@
+"""Token images from a checkpoint (issue #40): the tensors read, the arithmetic, each TP rank's columns."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from audit.layouts import LayoutError
+from audit.layouts.checkpoint import Checkpoint
+from audit.layouts.families.mamba2 import conv_columns
+from audit.layouts.weights import token_images
+from tests.helpers import tiny_mamba2_checkpoint, write_safetensors
+
+
+def _by_hand(tensors: dict, tokens: list[int], columns) -> np.ndarray:
+    """HF Mamba2's layer 0 written out: embedding, RMSNorm (eps 1e-5), then in_proj's xBC rows."""
+    h = tensors["backbone.embeddings.weight"][tokens].astype(np.float64)
+    h = h / np.sqrt((h * h).mean(axis=1, keepdims=True) + 1e-5) * tensors["backbone.layers.0.norm.weight"]
+    xbc = tensors["backbone.layers.0.mixer.in_proj.weight"][16:16 + 24]  # after z (d_inner 16); 16 + 2 * 4
+    return (h @ xbc[columns].T).astype(np.float32)
+
+
+def test_mamba2_images_are_layer0s_conv_inputs(tmp_path):
+    tensors = tiny_mamba2_checkpoint(tmp_path / "m")
+    images = token_images(tmp_path / "m", "m", 1, 0)
+    assert (images.vocab_size, images.columns) == (32, 24)
+    np.testing.assert_allclose(images.images([3, 7, 30]), _by_hand(tensors, [3, 7, 30], np.arange(24)), rtol=1e-5)
+    assert images.source["projection"].startswith("backbone.layers.0.mixer.in_proj.weight")
+
+
+def test_each_tp_rank_holds_its_share_of_x_and_the_groups_vllm_gives_it():
+    # one group at TP 2: replicated onto each rank (x 16 channels, B 4, C 4)
+    assert conv_columns(16, 1, 4, 2, 1).tolist() == [*range(8, 16), *range(16, 20), *range(20, 24)]
+    # two groups at TP 2: a group each
+    assert conv_columns(16, 2, 4, 2, 0).tolist() == [*range(0, 8), *range(16, 20), *range(24, 28)]
+    assert conv_columns(16, 2, 4, 2, 1).tolist() == [*range(8, 16), *range(20, 24), *range(28, 32)]
+    with pytest.raises(LayoutError, match="shard"):
+        conv_columns(16, 3, 4, 2, 0)
+
+
+def test_a_rank_images_are_the_unsharded_images_columns(tmp_path):
+    tensors = tiny_mamba2_checkpoint(tmp_path / "m")
+    whole = token_images(tmp_path / "m", "m", 1, 0).images([5, 6])
+    for rank in (0, 1):
+        part = token_images(tmp_path / "m", "m", 2, rank).images([5, 6])
+        np.testing.assert_array_equal(part, whole[:, conv_columns(16, 1, 4, 2, rank)])
+    assert _by_hand(tensors, [5], np.arange(24)).shape == (1, 24)
+
+
+def test_bfloat16_and_sharded_checkpoints_read_the_same_numbers(tmp_path):
+    tensors = tiny_mamba2_checkpoint(tmp_path / "bf16", bfloat16=True)
+    read = Checkpoint(tmp_path / "bf16").tensor("backbone.embeddings.weight")
+    rounded = (tensors["backbone.embeddings.weight"].view(np.uint32) & 0xFFFF0000).view(np.float32)
+    np.testing.assert_array_equal(read, rounded)
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text((tmp_path / "bf16" / "config.json").read_text())
+    names = sorted(tensors)
+    write_safetensors(sharded / "a.safetensors", {n: tensors[n] for n in names[:1]})
+    write_safetensors(sharded / "b.safetensors", {n: tensors[n] for n in names[1:]})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: ("a.safetensors" if n in names[:1] else "b.safetensors") for n in names}}))
+    np.testing.assert_array_equal(Checkpoint(sharded).tensor(names[-1]), tensors[names[-1]])
+
+
+def test_what_is_not_bound_says_why(tmp_path):
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text(json.dumps({"model_type": "mamba2"}))
+    with pytest.raises(LayoutError, match="no safetensors"):
+        token_images(tmp_path / "noweights", "m", 1, 0)
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(LayoutError, match="no layer-0 image rule"):
+        token_images(tmp_path / "llama", "m", 1, 0)
+    tiny_mamba2_checkpoint(tmp_path / "int8")
+    path = tmp_path / "int8" / "model.safetensors"
+    path.write_bytes(path.read_bytes().replace(b'"F32"', b'"I8" ', 1))
+    with pytest.raises(LayoutError, match="quantized"):
+        token_images(tmp_path / "int8", "m", 1, 0)
+
+
+def test_the_probe_is_kept_and_a_changed_checkpoint_builds_it_anew(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOONCAKE_AUDIT_CACHE", str(tmp_path / "cache"))
+    tiny_mamba2_checkpoint(tmp_path / "m", seed=0)
+    first = token_images(tmp_path / "m", "m", 1, 0).probe
+    (kept,) = (tmp_path / "cache" / "token-images").glob("*.npy")
+    np.testing.assert_array_equal(np.load(kept), first)
+    np.save(kept, np.full_like(first, 7.0))  # what a later scan reads instead of the embeddings
+    assert (token_images(tmp_path / "m", "m", 1, 0).probe == 7.0).all()
+    tiny_mamba2_checkpoint(tmp_path / "m", seed=1)  # new weights in the same directory: a new identity
+    again = token_images(tmp_path / "m", "m", 1, 0).probe
+    assert not (again == 7.0).all() and len(list((tmp_path / "cache" / "token-images").glob("*.npy"))) == 2
