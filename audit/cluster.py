@@ -3,6 +3,8 @@
 Used by `mooncake-audit demo`, the test fixtures and the benchmarks. Every process is started
 on 127.0.0.1 with free ports, and torn down by PID (also on exceptions and Ctrl-C, through the
 context manager); the embedded metadata server and admin port are asked to bind to loopback.
+With `offload`, the holders also keep an SSD tier (Mooncake's bucket backend, eager: every put
+reaches the disk about a second later), so a test can have memory-only, disk-only and both.
 """
 
 from __future__ import annotations
@@ -16,8 +18,15 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from audit.connection import AdminClient
+from audit.sources.listing import TIERS
+
+OFFLOAD_STAGING_BYTES = 64 << 20  # a holder's buffer for values on their way to and from its disk
+FILE_CAPACITY = "master_total_file_capacity_bytes"  # grows as each offloading holder mounts its disk
 
 
 class ClusterError(RuntimeError):
@@ -62,6 +71,7 @@ class Holder:
     port: int
     process: subprocess.Popen
     segment: str = ""
+    offload_dir: Path | None = None  # where it writes its SSD tier (`<id>.bucket`, `<id>.meta`), if offloading
 
 
 @dataclass
@@ -73,6 +83,9 @@ class LocalCluster:
     lease_ttl_ms: int | None = None
     client_ttl_s: int | None = None
     tenants: tuple[str, ...] = ()  # a multi-tenant master: these tenants and the default, 1 GB of quota each
+    offload: bool = False  # holders offload every put to a directory of their own (bucket backend, eager)
+    promote_after: int | None = None  # with offload: a disk-only key read this many times is copied back to memory
+    bucket_keys: int = 1  # with offload: keys per bucket file (Mooncake's 500 would keep a test's keys off the disk)
     log_dir: Path | None = None
     metadata_port: int = field(default_factory=free_port)
     rpc_port: int = field(default_factory=free_port)
@@ -124,6 +137,10 @@ class LocalCluster:
             args.append(f"--default_kv_lease_ttl={self.lease_ttl_ms}")
         if self.client_ttl_s is not None:
             args.append(f"--client_ttl={self.client_ttl_s}")
+        if self.offload:
+            args.append("--enable_offload=true")
+        if self.promote_after is not None:
+            args += ["--promotion_on_hit=true", f"--promotion_admission_threshold={self.promote_after}"]
         if self.tenants:  # every tenant needs a policy, the default included: a put into one without fails
             quotas = self.log_dir / "tenant-quotas.yaml"
             quotas.write_text("version: 1\ntenants:\n" + "".join(
@@ -135,26 +152,81 @@ class LocalCluster:
         for _ in range(self.holders):
             self.add_holder(timeout_s)
 
-    def add_holder(self, timeout_s: float = 30.0) -> Holder:
+    def add_holder(self, timeout_s: float = 30.0, offload: bool | None = None) -> Holder:
+        """A holder more; `offload` (the cluster's `offload` unless given): whether it keeps an SSD
+        tier, so that one cluster can hold keys that never reach a disk beside keys that do."""
         port = free_port()
         before = self.segments()
-        process = self._spawn(
-            [
-                _binary("mooncake_client"),
-                "--host=127.0.0.1",
-                f"--port={port}",
-                f"--global_segment_size={self.segment_mb}MB",
-                f"--master_server_address={self.master_address}",
-                f"--metadata_server={self.metadata_url}",
-                "--protocol=tcp",
-            ],
-            f"holder-{port}",
-        )
-        holder = Holder(port, process)
+        args = [
+            _binary("mooncake_client"),
+            "--host=127.0.0.1",
+            f"--port={port}",
+            f"--global_segment_size={self.segment_mb}MB",
+            f"--master_server_address={self.master_address}",
+            f"--metadata_server={self.metadata_url}",
+            "--protocol=tcp",
+        ]
+        offload_dir = None
+        if self.offload if offload is None else offload:
+            assert self.log_dir is not None
+            offload_dir = self.log_dir / f"offload-{port}"
+            offload_dir.mkdir()
+            args.append("--enable_offload=true")
+            admin = AdminClient(self.admin_url)
+            disks_before = admin.metric(FILE_CAPACITY) or 0
+        process = self._spawn(args, f"holder-{port}", self._offload_env(offload_dir))
+        holder = Holder(port, process, offload_dir=offload_dir)
         self.running_holders.append(holder)
         self._wait(lambda: self.segments() - before, f"segment of holder {port}", timeout_s)
         holder.segment = min(self.segments() - before)
+        if offload_dir is not None:  # its disk mounts a second or two after its memory: puts before that never reach it
+            self._wait(lambda: (admin.metric(FILE_CAPACITY) or 0) > disks_before, f"disk of holder {port}", timeout_s)
         return holder
+
+    def _offload_env(self, offload_dir: Path | None) -> dict[str, str] | None:
+        """A holder's SSD-tier settings (FACTS §11): small buckets, so that a handful of test keys
+        reach the disk (a bucket waits for its keys or 256 MiB); heartbeats every second; a staging
+        buffer and a disk quota sized to a test, not to the defaults' 1.25 GB and 90% of the disk."""
+        if offload_dir is None:
+            return None
+        return {**os.environ,
+                "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": str(offload_dir),
+                "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT": str(self.bucket_keys),
+                "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS": "1",
+                "MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES": str(OFFLOAD_STAGING_BYTES),
+                "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE": str(8 * self.segment_mb << 20)}
+
+    def tiers(self, names: Iterable[str]) -> dict[str, set[str]]:
+        """Per key the master knows, the tiers holding a replica of it (`memory`, `local_disk`, ...),
+        asked lease-free (`/batch_query_keys`)."""
+        return {name: {tier for field, tier in TIERS.items() if answer.get(field)}
+                for name, answer in AdminClient(self.admin_url).query(names) if answer.get("ok")}
+
+    def wait_held(self, names: Iterable[str], tier: str, timeout_s: float = 30.0) -> None:
+        """Until every key of `names` has a replica in `tier` (`local_disk`: offloaded; `memory`:
+        promoted back). Both run on the holders' heartbeats: about a second. A key evicted from
+        memory before it reached the disk is lost, so a test that fills a segment waits for each
+        part to be offloaded before it puts the next."""
+        names = list(names)
+        self._wait_tiers(names, lambda tiers: sum(tier in held for held in tiers.values()),
+                         len(names), f"with a {tier} replica", timeout_s)
+
+    def wait_disk_only(self, names: Iterable[str], count: int, timeout_s: float = 30.0) -> set[str]:
+        """The keys of `names` held on disk only, once there are at least `count` of them (eviction
+        runs on the master's own schedule: seconds, not milliseconds)."""
+        names = list(names)
+        tiers = self._wait_tiers(names, lambda tiers: sum(held == {"local_disk"} for held in tiers.values()),
+                                 count, "disk-only", timeout_s)
+        return {name for name, held in tiers.items() if held == {"local_disk"}}
+
+    def _wait_tiers(self, names: list[str], counted, count: int, what: str, timeout_s: float) -> dict[str, set[str]]:
+        deadline = time.monotonic() + timeout_s
+        while (found := counted(tiers := self.tiers(names))) < count:
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{found} of {len(names)} keys {what} after {timeout_s} s, not {count}; "
+                                   f"logs in {self.log_dir}")
+            time.sleep(0.1)
+        return tiers
 
     def segments(self) -> set[str]:
         body = _http_ok(f"{self.admin_url}/get_all_segments") or b""
@@ -173,12 +245,12 @@ class LocalCluster:
             _terminate(self.master, signal.SIGTERM)
             self.master = None
 
-    def _spawn(self, args: list[str], name: str) -> subprocess.Popen:
+    def _spawn(self, args: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         assert self.log_dir is not None
         log = open(self.log_dir / f"{name}.log", "wb")
         # A new session keeps the daemons out of the terminal's Ctrl-C: we stop them ourselves.
         return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
 
     def _wait(self, ready, what: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

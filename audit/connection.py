@@ -175,9 +175,13 @@ class AdminClient:
     def key_count(self) -> int | None:
         """`master_key_count` from `/metrics`: every key of every tenant, a put in flight included
         (counted from its start); None when the master does not report it."""
+        return self.metric("master_key_count")
+
+    def metric(self, wanted: str) -> int | None:
+        """One unlabelled counter or gauge of `/metrics`; None when the master does not report it."""
         for line in self._get("/metrics").decode(errors="replace").splitlines():
             name, _, value = line.partition(" ")
-            if name == "master_key_count":
+            if name == wanted:
                 try:
                     return int(float(value))
                 except ValueError:

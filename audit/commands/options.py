@@ -101,6 +101,11 @@ Verbose = Annotated[bool, typer.Option("--verbose", help="At the end, the second
 # Scanning: resumption, evidence, failure
 ReadMode = Annotated[str, typer.Option("--read-mode", envvar="MOONCAKE_AUDIT_READ_MODE",
                                       help="lease (batch_get_into) or peek (lease-free raw reads of every replica).")]
+OffloadDir = Annotated[Optional[list[Path]], typer.Option(
+    "--offload-dir", envvar="MOONCAKE_AUDIT_OFFLOAD_DIR", metavar="DIR",
+    help="A holder's SSD offload directory on this host (its MOONCAKE_OFFLOAD_FILE_STORAGE_PATH): with "
+         "--read-mode peek, the disk-only keys stored there are read from its bucket files, with no lease and "
+         "no promotion. Repeatable.")]
 Sample = Annotated[Optional[str], typer.Option("--sample", envvar="MOONCAKE_AUDIT_SAMPLE",
                                                help="Read N keys, or a fraction (0.05) of them, chosen by --seed.")]
 Seed = Annotated[int, typer.Option("--seed", envvar="MOONCAKE_AUDIT_SEED", help="Sampling seed.")]

@@ -1,5 +1,6 @@
-"""Every way bytes arrive: lease reads (`lease`, through `batch_get_into`) and lease-free raw reads of
-every replica (`peek`, with `engine` and `descriptors`), into the registered `buffers`, optionally
+"""Every way bytes arrive: lease reads (`lease`, through `batch_get_into`), lease-free raw reads of
+every replica (`peek`, with `engine` and `descriptors`) into the registered `buffers`, and lease-free
+reads of disk-only keys from a holder's bucket files on its host (`disk`, with `buckets`); optionally
 paced by `throttle`; `confirm` re-reads a finding, `replicas` compares the replicas of one key."""
 
 from audit.readers.confirm import Confirmation, KeyRead, apply_confirmation

@@ -106,6 +106,21 @@ class RegisteredBuffer:
         self.store.unregister_buffer(self.address)
 
 
+class HostBuffer:
+    """Host memory that files are read into (`os.preadv`): no transfer engine writes to it, so
+    nothing registers it."""
+
+    def __init__(self, nbytes: int):
+        self.array = host_memory(nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.array.nbytes
+
+    def release(self) -> None:
+        """Nothing to unregister: the memory goes with the last reference to it."""
+
+
 class _Lent(RegisteredBuffer):
     """A RegisteredBuffer in the first bytes of memory touched ahead; released, the memory goes back."""
 

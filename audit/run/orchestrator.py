@@ -323,8 +323,8 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
                                     keys, checker, options, stop, checkpoint, evidence, emit, records, phases,
                                     transfer, memory)
             with phases.phase("reading other tenants' and lease-only keys"):
-                reason = reason or read_other_keys(other, clients, checker, options, stop, MasterWatch(admin, stop),
-                                                   evidence, emit, started)
+                reason = reason or read_other_keys(other, clients, admin, checker, options, stop,
+                                                   MasterWatch(admin, stop), evidence, emit, started)
         finally:
             progress.stop()
         interrupted = stop.is_set()

@@ -1,7 +1,9 @@
 """Keys the run's main reader cannot reach, found and read so that they are audited, not skipped:
 other tenants' keys (named by key sources, read through a client of their tenant) and, where the
 main reader reads lease-free, keys the admin API cannot describe (a comma in the name, a refused
-query, no memory replica), read through the store client. Every one is read with a lease.
+query, no memory replica), read through the store client, with a lease; but for the disk-only
+keys stored in a holder's offload directory on this host (`--offload-dir`), read from its files
+in peek mode (`audit.readers.disk`), with none.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 from audit.connection import AdminClient, Settings, open_store
 from audit.errors import AuditError
 from audit.judge.plan import CheckPlan
+from audit.readers.disk import DiskReader
 from audit.readers.lease import LeaseReader
 from audit.readers.throttle import ThrottledReader
 from audit.records import KeyInfo, KeyRecord
@@ -94,28 +97,42 @@ def split_lease_only(keys: KeyTable, options: ScanOptions) -> tuple[KeyTable, li
     return keys.split(admin_readable)  # a key with one memory replica in the table is admin-readable
 
 
-def read_other_keys(other: OtherKeys, clients: TenantClients, checker, options: ScanOptions, stop: threading.Event,
-                    watch: MasterWatch, evidence, emit, started: float) -> str | None:
-    """Read each group with a lease reader of its tenant; the reason it stopped early, if it did.
-    `started`: when the run's reading began, so that --deadline bounds the whole run."""
+def read_other_keys(other: OtherKeys, clients: TenantClients, admin: AdminClient, checker, options: ScanOptions,
+                    stop: threading.Event, watch: MasterWatch, evidence, emit, started: float) -> str | None:
+    """Read each group with a lease reader of its tenant (the default tenant's disk-only keys found in
+    `--offload-dir` with a disk reader); the reason it stopped early, if it did. `started`: when the
+    run's reading began, so that --deadline bounds the whole run."""
     remaining = None if options.deadline_s is None else max(options.deadline_s - (time.perf_counter() - started), 0)
     deadline = Deadline(remaining, stop)
     try:
         for tenant, keys in other.groups:
             if stop.is_set() or not keys:
                 continue
-            reader = LeaseReader(clients.client(tenant), buffer_bytes(keys, options), options.placement.buffer_type)
-            if options.max_bandwidth:
-                reader = ThrottledReader(reader, options.max_bandwidth, stop)
-            try:
-                for record in scan_keys(keys, reader, checker, options.plan, stop=stop,
-                                        on_batch=after_batch_hook(None, None, watch), evidence=evidence):
-                    record.tenant = tenant
-                    emit(record)
-            finally:
-                reader.close()
+            if tenant is None and options.read_mode == "peek" and options.offload_dirs:
+                disk = DiskReader(admin, options.offload_dirs, buffer_bytes(keys, options))
+                on_disk = [key for key in keys if disk.holds(key)]
+                keys = [key for key in keys if not disk.holds(key)]
+                _read_group(on_disk, disk, disk.confirm, tenant, checker, options, stop, watch, evidence, emit)
+            if keys and not stop.is_set():
+                reader = LeaseReader(clients.client(tenant), buffer_bytes(keys, options), options.placement.buffer_type)
+                _read_group(keys, reader, None, tenant, checker, options, stop, watch, evidence, emit)
     finally:
         deadline.cancel()
     if watch.lost:
         return watch.lost
     return f"deadline of {options.deadline_s:g} s reached" if deadline.reached else None
+
+
+def _read_group(keys, reader, confirm, tenant, checker, options: ScanOptions, stop, watch, evidence, emit) -> None:
+    """One group of keys through `reader` (paced by --max-bandwidth); findings read again by `confirm`."""
+    if not keys:
+        return
+    if options.max_bandwidth:
+        reader = ThrottledReader(reader, options.max_bandwidth, stop)
+    try:
+        for record in scan_keys(keys, reader, checker, options.plan, stop=stop,
+                                on_batch=after_batch_hook(confirm, None, watch), evidence=evidence):
+            record.tenant = tenant
+            emit(record)
+    finally:
+        reader.close()

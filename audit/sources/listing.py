@@ -80,9 +80,12 @@ def _listed_row(answer: dict) -> tuple[int, str, int] | None:
 
 
 def _key_info(name: str, answer: dict) -> KeyInfo | None:
-    """Memory replicas first (readers and shards go by the first), then the other tiers'."""
-    replicas = [{"tier": tier, "endpoint": r.get("transport_endpoint_"), "address": r.get("buffer_address_"),
-                 "size": r.get("size_")} for field, tier in TIERS.items() for r in answer.get(field) or []]
+    """Memory replicas first (readers and shards go by the first), then the other tiers'. Disk
+    descriptors name their fields otherwise (`object_size`; a holder's offload RPC endpoint as
+    `transport_endpoint`) and have no address: a disk-only key sized 0 was read into 0 bytes."""
+    replicas = [{"tier": tier, "endpoint": r.get("transport_endpoint_", r.get("transport_endpoint")),
+                 "address": r.get("buffer_address_"), "size": r.get("size_", r.get("object_size"))}
+                for field, tier in TIERS.items() for r in answer.get(field) or []]
     if not answer.get("ok") or not replicas:
         return None
     return KeyInfo(name=name, size=int(replicas[0]["size"] or 0), replicas=replicas)
