@@ -49,7 +49,8 @@ def check_batch(batch: FetchedBatch, checker, plan: CheckPlan, evidence=None) ->
         if plan.bindings is not None and plan.bindings.directories:  # the weights given: layer-0 binding
             values = [None] * len(records)
             for i in readable:
-                values[i] = batch.view(batch.slots[i], batch.slots[i].key.size)
+                if i not in readings:  # a value whose reading is undecided is not decoded under a guess
+                    values[i] = batch.view(batch.slots[i], batch.slots[i].key.size)
             bind_values(records, values, layouts, plan.bindings)
         if batch.replicas is not None:  # a peek read: every replica's digest
             for record, rows in zip(records, batch.replicas):
