@@ -10,36 +10,68 @@ from __future__ import annotations
 
 import numpy as np
 
+from audit.layouts.images import sign_codes
+
 # A row further than this (relative L2) from its nearest token's image is not an image under
 # these weights. Measured: healthy rows <= 0.0038 (bfloat16), other weights >= 0.22.
 ROW_TOLERANCE = 0.05
 CANDIDATES = 8  # tokens a row far from its probe-nearest token is compared with on every column
+SHARED_CODE = 8  # a code shared by more tokens than this sends the row to the search
 
 
 def nearest_tokens(rows: np.ndarray, images) -> tuple[np.ndarray, np.ndarray]:
     """For each row of `rows` (n, columns) float32, the token whose image (`images`: a
-    `TokenImages`) is nearest, and the relative L2 distance to it: ``|row - image| / |image|``.
-    Each row's nearest token on the probe columns is checked on every column; only a row that is
-    then beyond the tolerance is compared with its next nearest candidates too."""
+    `TokenImages`) is nearest, and the relative L2 distance to it on the image's check columns:
+    ``|row - image| / |image|``. A row is first looked up by the signs of its probe columns (a few
+    tokens share them at most, as a rule); a row that finds none, or not one within the tolerance, is
+    matched on the probe columns against every token, and if still beyond the tolerance, compared
+    with its next nearest candidates too: a row is never flagged because a shortcut missed."""
     rows = np.asarray(rows, dtype=np.float32)
     if rows.ndim != 2 or rows.shape[1] != images.columns:
         raise ValueError(f"rows of shape {rows.shape}: the images have {images.columns} columns")
-    # |row - image|^2 on the probe columns, up to the row's own constant
-    scores = images.probe_squares[None, :] - 2.0 * (rows[:, images.probe_columns] @ images.probe.T)
-    tokens = scores.argmin(axis=1)
-    distances = _distances(rows, tokens[:, None], images)[:, 0]
-    far = np.flatnonzero(distances > ROW_TOLERANCE)
-    if len(far):
-        count = min(CANDIDATES, scores.shape[1])
-        candidates = np.argpartition(scores[far], count - 1, axis=1)[:, :count]
-        others = _distances(rows[far], candidates, images)
-        best = others.argmin(axis=1)
-        tokens[far] = candidates[np.arange(len(far)), best]
-        distances[far] = others[np.arange(len(far)), best]
+    with np.errstate(all="ignore"):  # a row of NaN or Inf (bytes read in another dtype) is far from every image
+        return _nearest(np.where(np.isfinite(rows), rows, np.float32(3e38)), images)
+
+
+def _nearest(rows: np.ndarray, images) -> tuple[np.ndarray, np.ndarray]:
+    checked = rows[:, images.check_columns]
+    centers, codes, order = images.probe_signs
+    probed = rows[:, images.probe_columns]
+    row_codes = sign_codes(probed, centers)
+    first = np.searchsorted(codes, row_codes, side="left")
+    last = np.searchsorted(codes, row_codes, side="right")
+    looked_up = np.flatnonzero((last > first) & (last - first <= SHARED_CODE))
+    tokens = np.zeros(len(rows), dtype=np.int64)
+    distances = np.full(len(rows), np.inf, dtype=np.float32)
+    if len(looked_up):  # the tokens sharing the row's code, the last one repeated to fill SHARED_CODE
+        at = np.minimum(first[looked_up, None] + np.arange(SHARED_CODE), last[looked_up, None] - 1)
+        candidates = order[at]
+        found = _distances(checked[looked_up], candidates, images)
+        best = found.argmin(axis=1)
+        tokens[looked_up] = candidates[np.arange(len(looked_up)), best]
+        distances[looked_up] = found[np.arange(len(looked_up)), best]
+    searched = np.flatnonzero(distances > ROW_TOLERANCE)
+    if len(searched):
+        # |row - image|^2 on the probe columns, up to the row's own constant
+        scores = probed[searched] @ images.probe.T
+        scores *= -2.0
+        scores += images.probe_squares
+        nearest = scores.argmin(axis=1)
+        found = _distances(checked[searched], nearest[:, None], images)[:, 0]
+        tokens[searched], distances[searched] = nearest, found
+        far = np.flatnonzero(found > ROW_TOLERANCE)
+        if len(far):
+            count = min(CANDIDATES, scores.shape[1])
+            candidates = np.argpartition(scores[far], count - 1, axis=1)[:, :count]
+            others = _distances(checked[searched[far]], candidates, images)
+            best = others.argmin(axis=1)
+            tokens[searched[far]] = candidates[np.arange(len(far)), best]
+            distances[searched[far]] = others[np.arange(len(far)), best]
     return tokens, distances
 
 
-def _distances(rows: np.ndarray, candidates: np.ndarray, images) -> np.ndarray:
-    """(n, k) relative L2 distances of each row from its k candidates' images, on every column."""
-    full = images.images(candidates.reshape(-1)).reshape(*candidates.shape, -1)
-    return np.linalg.norm(full - rows[:, None, :], axis=2) / np.maximum(np.linalg.norm(full, axis=2), 1e-30)
+def _distances(checked: np.ndarray, candidates: np.ndarray, images) -> np.ndarray:
+    """(n, k) relative L2 distances of each row (on the check columns) from its k candidates' images."""
+    full = images.checked_images(candidates.reshape(-1)).reshape(*candidates.shape, -1)
+    distances = np.linalg.norm(full - checked[:, None, :], axis=2) / np.maximum(np.linalg.norm(full, axis=2), 1e-30)
+    return np.where(np.isnan(distances), np.inf, distances).astype(np.float32)

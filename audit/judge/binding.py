@@ -78,38 +78,42 @@ def layer0_conv(layout):
     return None
 
 
-def bind_values(records: list[KeyRecord], values: list, layouts: list, bindings: Bindings) -> None:
+def bind_values(records: list[KeyRecord], values: list, readings: list, bindings: Bindings) -> None:
     """WEIGHTS_MISMATCH on each record whose value's (``values[i]``: its bytes, or None when unread)
-    layer-0 conv rows are not all images of tokens under its model's weights. All the batch's rows
-    are decoded at once, per (model, TP size, rank)."""
-    groups: dict[tuple, list] = {}
-    for i, (record, value, layout) in enumerate(zip(records, values, layouts)):
-        if value is None or layout is None or not bindings.directories or _ALREADY_FLAGGED.intersection(record.verdicts):
+    layer-0 conv rows are not all images of tokens under its model's weights, under any of its
+    readings (``readings[i]``: the layouts it may be read with, the one it is judged by first): a
+    size that fits bfloat16 and float16 alike is bound under the reading that decodes to tokens,
+    and flagged only when none does. All the batch's rows are decoded at once, per (model, TP
+    size, rank)."""
+    groups: dict[int, list] = {}
+    tried: dict[int, list] = {}  # record index -> one (images, rows) per distinct layer-0 region
+    for i, (record, value, layouts) in enumerate(zip(records, values, readings)):
+        if value is None or not layouts or _ALREADY_FLAGGED.intersection(record.verdicts):
             continue
-        region = layer0_conv(layout)
-        if region is None or layout.size != record.size:
-            continue
-        rank = record.parsed_fields().get("tp_rank", 0) if layout.tp_size > 1 else 0
-        images = bindings.images(layout.model, layout.tp_size, rank)
-        if images is None:
-            continue
-        rows = _rows(value, region)
-        if rows is None:
-            continue
-        if rows.shape[1] != images.columns:
-            bindings.unbound[layout.model] = (f"layer 0's conv rows have {rows.shape[1]} columns at TP "
-                                              f"{layout.tp_size}, the image rule {images.columns}")
-            continue
-        groups.setdefault(id(images), [images, []])[1].append((i, rows))
+        for region, layout in {layer0_conv(layout): layout for layout in layouts if layout.size == record.size}.items():
+            if region is None:
+                continue
+            rank = record.parsed_fields().get("tp_rank", 0) if layout.tp_size > 1 else 0
+            images = bindings.images(layout.model, layout.tp_size, rank)
+            rows = None if images is None else _rows(value, region)
+            if rows is None:
+                continue
+            if rows.shape[1] != images.columns:
+                bindings.unbound[layout.model] = (f"layer 0's conv rows have {rows.shape[1]} columns at TP "
+                                                  f"{layout.tp_size}, the image rule {images.columns}")
+                continue
+            groups.setdefault(id(images), [images, []])[1].append((i, rows))
     for images, members in groups.values():
         tokens, distances = nearest_tokens(np.concatenate([rows for _, rows in members]), images)
         start = 0
         for i, rows in members:
             end = start + len(rows)
-            far = distances[start:end] > ROW_TOLERANCE
-            if far.any():
-                _flag(records[i], tokens[start:end], distances[start:end], images)
+            tried.setdefault(i, []).append((images, tokens[start:end], distances[start:end]))
             start = end
+    for i, outcomes in tried.items():
+        if all(not (distances <= ROW_TOLERANCE).all() for _, _, distances in outcomes):
+            images, tokens, distances = outcomes[0]
+            _flag(records[i], tokens, distances, images)
 
 
 def _rows(value, region) -> np.ndarray | None:

@@ -18,8 +18,15 @@ from pathlib import Path
 
 import numpy as np
 
-PROBE_COLUMNS = 16  # the columns a row is first matched on (`probe`): the vocabulary search stays small
-PROBE_BLOCK_ROWS = 8192  # vocabulary rows converted to float32 at a time while the probe is built
+CHECK_COLUMNS = 64  # the columns a row is compared with its token's image on (all, below that many)
+PROBE_COLUMNS = 16  # of those, the ones a row is searched for on: the vocabulary search stays small
+PROBE_BLOCK_ROWS = 8192  # vocabulary rows converted to float32 at a time while the table is built
+
+
+def sign_codes(probed: np.ndarray, centers: np.ndarray) -> np.ndarray:
+    """Each row's probe columns as bits: 1 where it is above that column's center."""
+    bits = probed > centers
+    return (bits.astype(np.uint32) << np.arange(bits.shape[1], dtype=np.uint32)).sum(axis=1, dtype=np.uint32)
 
 
 def cache_dir() -> Path:
@@ -53,7 +60,46 @@ class TokenImages:
         return self.weight.shape[0]
 
     def images(self, tokens) -> np.ndarray:
+        """Every column of the tokens' images, computed from the checkpoint."""
         return self._normed(self.embeddings.rows(np.asarray(tokens))) @ self.weight.T
+
+    def checked_images(self, tokens) -> np.ndarray:
+        """The tokens' images on `check_columns`: what a row is compared with, read from the table."""
+        return self.table[np.asarray(tokens)]
+
+    @cached_property
+    def check_columns(self) -> np.ndarray:
+        return np.unique(np.linspace(0, self.columns - 1, min(CHECK_COLUMNS, self.columns)).astype(np.int64))
+
+    @cached_property
+    def _probe_index(self) -> np.ndarray:
+        """Which of the check columns are the probe's: evenly spread, at most PROBE_COLUMNS."""
+        return np.unique(np.linspace(0, len(self.check_columns) - 1,
+                                     min(PROBE_COLUMNS, len(self.check_columns))).astype(np.int64))
+
+    @cached_property
+    def probe_columns(self) -> np.ndarray:
+        return self.check_columns[self._probe_index]
+
+    @cached_property
+    def probe(self) -> np.ndarray:
+        """Every token's image on `probe_columns` (vocab, probe): what a row is searched for in."""
+        return np.ascontiguousarray(self.table[:, self._probe_index])
+
+    @cached_property
+    def probe_squares(self) -> np.ndarray:
+        """Each token's squared norm on the probe columns (vocab,)."""
+        return np.einsum("ij,ij->i", self.probe, self.probe)
+
+    @cached_property
+    def probe_signs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The index of exact lookups: each probe column's median over the vocabulary, and every
+        token's probe as bits (above the median or not), sorted, with the tokens in that order. A
+        row is looked up by its own bits first; most rows find their one token there."""
+        centers = np.median(self.probe, axis=0).astype(np.float32)
+        codes = sign_codes(self.probe, centers)
+        order = np.argsort(codes, kind="stable")
+        return centers, codes[order], order
 
     def _normed(self, embedded: np.ndarray) -> np.ndarray:
         """Layer 0's mixer input of embedded tokens: scaled, then through the RMSNorm."""
@@ -63,52 +109,43 @@ class TokenImages:
         return h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + np.float32(self.eps)) * self.norm_weight
 
     @cached_property
-    def probe_columns(self) -> np.ndarray:
-        return np.unique(np.linspace(0, self.columns - 1, min(PROBE_COLUMNS, self.columns)).astype(np.int64))
-
-    @cached_property
-    def probe_squares(self) -> np.ndarray:
-        """Each token's squared norm on the probe columns (vocab,)."""
-        return np.einsum("ij,ij->i", self.probe, self.probe)
-
-    @cached_property
-    def probe(self) -> np.ndarray:
-        """Every token's image on `probe_columns` (vocab, probe): the index a row is looked up in,
-        kept in the user's cache (`cache_dir`) once built: a scan from cron reads it instead of the
-        embeddings."""
+    def table(self) -> np.ndarray:
+        """Every token's image on `check_columns` (vocab, check), kept in the user's cache
+        (`cache_dir`) once built: a scan from cron reads it instead of the embeddings, and judging a
+        row then multiplies nothing (a row of it per candidate token)."""
         path = self._cache_path()
         try:
             cached = np.load(path) if path is not None and path.is_file() else None
         except (OSError, ValueError):
             cached = None
-        if cached is not None and cached.shape == (self.vocab_size, len(self.probe_columns)):
+        if cached is not None and cached.shape == (self.vocab_size, len(self.check_columns)):
             return cached
-        probe = self._build_probe()
+        table = self._build_table()
         if path is not None:
             with contextlib.suppress(OSError):  # a cache that cannot be written is only slower
                 path.parent.mkdir(parents=True, exist_ok=True)
                 partial = path.with_name(f"{path.name}.{os.getpid()}.partial.npy")
-                np.save(partial, probe)
+                np.save(partial, table)
                 os.replace(partial, path)
-        return probe
+        return table
 
     def _cache_path(self) -> Path | None:
         if not self.checkpoint:
             return None
-        key = json.dumps([self.checkpoint, self.tp_size, self.tp_rank, self.columns, self.probe_columns.tolist(),
+        key = json.dumps([self.checkpoint, self.tp_size, self.tp_rank, self.columns, self.check_columns.tolist(),
                           self.eps, self.embedding_scale, self.source], sort_keys=True)
         return cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.npy"
 
-    def _build_probe(self) -> np.ndarray:
+    def _build_table(self) -> np.ndarray:
         """The norm is a scalar per token, so the projection runs on the raw embeddings, a block of
         the vocabulary at a time, and each row is divided by its token's RMS after."""
-        weight = self.weight[self.probe_columns] * (self.norm_weight if self.norm_weight is not None else 1)
-        probe = np.empty((self.vocab_size, len(self.probe_columns)), dtype=np.float32)
+        weight = self.weight[self.check_columns] * (self.norm_weight if self.norm_weight is not None else 1)
+        table = np.empty((self.vocab_size, len(self.check_columns)), dtype=np.float32)
         scale = np.float32(self.embedding_scale)
         for first, block in self.embeddings.blocks(PROBE_BLOCK_ROWS):
             projected = block @ weight.T * scale
             if self.norm_weight is not None:
                 mean_square = np.einsum("ij,ij->i", block, block) / block.shape[1] * scale * scale
                 projected /= np.sqrt(mean_square + np.float32(self.eps))[:, None]
-            probe[first:first + len(block)] = projected
-        return probe
+            table[first:first + len(block)] = projected
+        return table

@@ -49,9 +49,9 @@ def check_batch(batch: FetchedBatch, checker, plan: CheckPlan, evidence=None) ->
         if plan.bindings is not None and plan.bindings.directories:  # the weights given: layer-0 binding
             values = [None] * len(records)
             for i in readable:
-                if i not in readings:  # a value whose reading is undecided is not decoded under a guess
-                    values[i] = batch.view(batch.slots[i], batch.slots[i].key.size)
-            bind_values(records, values, layouts, plan.bindings)
+                values[i] = batch.view(batch.slots[i], batch.slots[i].key.size)
+            bind_values(records, values, [readings.get(i) or (layouts[i],) if layouts[i] is not None else ()
+                                          for i in range(len(records))], plan.bindings)
         if batch.replicas is not None:  # a peek read: every replica's digest
             for record, rows in zip(records, batch.replicas):
                 judge_replicas(record, rows)

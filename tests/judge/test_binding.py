@@ -65,3 +65,30 @@ def test_rows_of_other_weights_or_garbage_are_weights_mismatch(publisher, cli_ar
     (ours / "model.safetensors").unlink()  # the config alone: nothing to bind against, the scan as before
     code, document = _scan(cli_args, namespace, ours)
     assert code == 0 and document["findings"] == [] and "binding" not in document["summary"]
+
+
+
+def test_a_value_is_bound_under_the_reading_that_decodes_to_tokens(tmp_path):
+    """A size that fits bfloat16 and float16 conv states alike: the healthy value binds under its
+    own reading (the other decodes to nothing) and is not flagged; garbage binds under neither."""
+    from audit.judge.binding import Bindings, bind_values
+    from audit.judge.key import judge_read
+    from audit.records import KeyInfo
+
+    ours = tmp_path / MODEL
+    tiny_mamba2_checkpoint(ours)
+    readings = tuple(load_layouts(model_configs=[ours], state_dtype=dtype, ssm_dtype="float32")[0]
+                     for dtype in ("float16", "bfloat16"))
+    assert readings[0].size == readings[1].size
+    rows = token_images(ours, MODEL, 1, 0).images([4, 5, 6])
+    bits = rows.astype(np.float32).view(np.uint32)
+    value = bytearray(np.random.default_rng(3).standard_normal(readings[1].size // 4).astype(np.float32).tobytes())
+    conv = next(region for segment, region in readings[1].regions() if (segment.layer, region.name) == (0, "conv"))
+    value[conv.offset:conv.offset + conv.length] = (bits >> 16).astype(np.uint16).tobytes()  # bfloat16 rows
+    garbage = bytes(np.random.default_rng(4).integers(1, 255, readings[1].size, dtype=np.uint8))
+    records = [judge_read(KeyInfo(f"{MODEL}@k{i}", readings[1].size), readings[1].size, None) for i in range(2)]
+    for record in records:
+        record.verdicts.clear()
+    bind_values(records, [np.frombuffer(bytes(value), np.uint8), np.frombuffer(garbage, np.uint8)],
+                [readings, readings], Bindings.of([ours]))
+    assert records[0].verdicts == [] and records[1].verdicts == ["WEIGHTS_MISMATCH"]

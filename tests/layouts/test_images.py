@@ -81,14 +81,16 @@ def test_what_is_not_bound_says_why(tmp_path):
         token_images(tmp_path / "int8", "m", 1, 0)
 
 
-def test_the_probe_is_kept_and_a_changed_checkpoint_builds_it_anew(tmp_path, monkeypatch):
+def test_the_table_is_kept_and_a_changed_checkpoint_builds_it_anew(tmp_path, monkeypatch):
     monkeypatch.setenv("MOONCAKE_AUDIT_CACHE", str(tmp_path / "cache"))
     tiny_mamba2_checkpoint(tmp_path / "m", seed=0)
-    first = token_images(tmp_path / "m", "m", 1, 0).probe
+    images = token_images(tmp_path / "m", "m", 1, 0)
+    first = images.table
+    np.testing.assert_allclose(first, images.images(np.arange(32))[:, images.check_columns], rtol=1e-5, atol=1e-6)
     (kept,) = (tmp_path / "cache" / "token-images").glob("*.npy")
     np.testing.assert_array_equal(np.load(kept), first)
     np.save(kept, np.full_like(first, 7.0))  # what a later scan reads instead of the embeddings
-    assert (token_images(tmp_path / "m", "m", 1, 0).probe == 7.0).all()
+    assert (token_images(tmp_path / "m", "m", 1, 0).table == 7.0).all()
     tiny_mamba2_checkpoint(tmp_path / "m", seed=1)  # new weights in the same directory: a new identity
-    again = token_images(tmp_path / "m", "m", 1, 0).probe
+    again = token_images(tmp_path / "m", "m", 1, 0).table
     assert not (again == 7.0).all() and len(list((tmp_path / "cache" / "token-images").glob("*.npy"))) == 2
