@@ -59,6 +59,7 @@ DEFAULT_MAX_MODEL_LEN = 2048
 # The share of the GPU memory free at start that a reference may ask vLLM to check for (never the
 # default 92% of the whole device: a serving engine may hold most of it).
 FREE_GPU_SHARE = 0.9
+HEADROOM = 4  # blocks for this many whole requests at once
 
 
 def engine_kwargs(spec: dict) -> dict:
@@ -95,7 +96,8 @@ def sized_to_work(kwargs: dict, block_size: int, layers: int, gpu_memory: tuple[
     if any(name in kwargs for name in MEMORY_ARGS):
         return {}
     per_request = -(-int(kwargs["max_model_len"]) // max(1, int(block_size)))
-    blocks = max(1, int(layers)) * per_request * int(kwargs.get("max_num_seqs", 1)) + 1  # + the null block
+    # HEADROOM: the local prefix cache keeps earlier cuts' blocks while later cuts run
+    blocks = HEADROOM * max(1, int(layers)) * per_request * int(kwargs.get("max_num_seqs", 1)) + 1  # + the null block
     sized = {"num_gpu_blocks_override": blocks, "kv_cache_memory_bytes": 1 << 20}
     if gpu_memory is not None:
         free, total = gpu_memory

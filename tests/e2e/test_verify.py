@@ -400,8 +400,8 @@ def busy_host(state, cluster_a):
 def _verify_as_operator(config: Path, cluster, model_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     argv = [*harness.cli_command(), "verify", "--config", str(config), "--admin", cluster.admin_url,
             "--model-config", str(model_dir), "--format", "json", "--all", *extra]
-    env = harness._clean_env()
-    env.update(VLLM_HOST_IP="127.0.0.1")
+    env = harness._clean_env()  # no VLLM_CPU_KVCACHE_SPACE; the engine core in-process, as the idle run's
+    env.update(VLLM_HOST_IP="127.0.0.1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     return subprocess.run(argv, cwd=harness.REPO, env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -191,10 +191,10 @@ def test_the_reference_engine_is_sized_to_its_prompts_not_to_the_machine():
 
     kwargs = {"max_model_len": 2048, "max_num_seqs": 1}
     # a 2-layer Mamba2 at block 16: every group (one per layer at most) holds a whole request, + the null block
-    assert sized_to_work(kwargs, 16, 2, None) == {"num_gpu_blocks_override": 2 * 128 + 1,
+    assert sized_to_work(kwargs, 16, 2, None) == {"num_gpu_blocks_override": 4 * 2 * 128 + 1,
                                                    "kv_cache_memory_bytes": 1 << 20}
     # a hybrid's raised block: fewer, larger blocks; two requests at once: twice the blocks
-    assert sized_to_work({"max_model_len": 1200, "max_num_seqs": 2}, 544, 4, None)["num_gpu_blocks_override"] == 25
+    assert sized_to_work({"max_model_len": 1200, "max_num_seqs": 2}, 544, 4, None)["num_gpu_blocks_override"] == 97
     # on a GPU: vLLM checks for a share of the whole device at start; ask only for what is free now
     gpu = sized_to_work(kwargs, 16, 2, (20 << 30, 141 << 30))
     assert gpu["gpu_memory_utilization"] == 0.13
