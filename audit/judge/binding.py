@@ -86,7 +86,7 @@ def bind_values(records: list[KeyRecord], values: list, readings: list, bindings
     and flagged only when none does. All the batch's rows are decoded at once, per (model, TP
     size, rank)."""
     groups: dict[int, list] = {}
-    tried: dict[int, list] = {}  # record index -> one (images, rows) per distinct layer-0 region
+    tried: dict[int, list] = {}  # record index -> (images, tokens, distances), one per distinct layer-0 region
     for i, (record, value, layouts) in enumerate(zip(records, values, readings)):
         if value is None or not layouts or _ALREADY_FLAGGED.intersection(record.verdicts):
             continue

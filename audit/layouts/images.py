@@ -20,7 +20,7 @@ import numpy as np
 
 CHECK_COLUMNS = 64  # the columns a row is compared with its token's image on (all, below that many)
 PROBE_COLUMNS = 16  # of those, the ones a row is searched for on: the vocabulary search stays small
-PROBE_BLOCK_ROWS = 8192  # vocabulary rows converted to float32 at a time while the table is built
+TABLE_BLOCK_ROWS = 8192  # vocabulary rows converted to float32 at a time while the table is built
 
 
 def sign_codes(probed: np.ndarray, centers: np.ndarray) -> np.ndarray:
@@ -142,7 +142,7 @@ class TokenImages:
         weight = self.weight[self.check_columns] * (self.norm_weight if self.norm_weight is not None else 1)
         table = np.empty((self.vocab_size, len(self.check_columns)), dtype=np.float32)
         scale = np.float32(self.embedding_scale)
-        for first, block in self.embeddings.blocks(PROBE_BLOCK_ROWS):
+        for first, block in self.embeddings.blocks(TABLE_BLOCK_ROWS):
             projected = block @ weight.T * scale
             if self.norm_weight is not None:
                 mean_square = np.einsum("ij,ij->i", block, block) / block.shape[1] * scale * scale

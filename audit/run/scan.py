@@ -50,7 +50,7 @@ def check_batch(batch: FetchedBatch, checker, plan: CheckPlan, evidence=None) ->
             values = [None] * len(records)
             for i in readable:
                 values[i] = batch.view(batch.slots[i], batch.slots[i].key.size)
-            bind_values(records, values, [readings.get(i) or (layouts[i],) if layouts[i] is not None else ()
+            bind_values(records, values, [readings.get(i) or ((layouts[i],) if layouts[i] is not None else ())
                                           for i in range(len(records))], plan.bindings)
         if batch.replicas is not None:  # a peek read: every replica's digest
             for record, rows in zip(records, batch.replicas):
