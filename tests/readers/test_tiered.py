@@ -145,11 +145,25 @@ def test_a_scan_reads_every_key_of_every_tier(tiered, read_mode):
     assert tiered.by_tiers()[("local_disk",)] == disk_only  # read, not promoted (no --promotion_on_hit)
 
 
+def _settled(store: TieredStore, quiet_s: float = 3.0, patience_s: float = 30.0) -> dict:
+    """The store's tiers once no key has changed tier for `quiet_s` (eviction after a fill goes on a
+    while): what an audit's effect is measured against."""
+    deadline = time.monotonic() + patience_s
+    tiers = store.by_tiers()
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = store.by_tiers()
+        if now == tiers:
+            return now
+        tiers = now
+    raise AssertionError(f"the tiers still changed after {patience_s:g} s")
+
+
 def test_check_in_peek_mode_reads_the_offload_directory_and_promotes_nothing(promoting):
     """`check --read-mode peek --offload-dir DIR` on a master that promotes a disk-only key at its
     first lease read: every key read, every disk-only one from its bucket file, and none promoted."""
     cluster = promoting.cluster
-    before = promoting.by_tiers()
+    before = _settled(promoting)
     offload_dir = cluster.running_holders[0].offload_dir
     result = run_cli("check", "--master", cluster.master_address, "--metadata", cluster.metadata_url,
                      "--admin", cluster.admin_url, "--local-hostname", "127.0.0.1", "--prefix", "tiered/",
