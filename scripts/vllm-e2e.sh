@@ -86,5 +86,5 @@ fi
 # --confcutdir: the main suite's tests/conftest.py (Triton interpreter switch, its fixtures) stays out
 # its own --basetemp: engine logs, records and cluster logs stay there after the run (pytest keeps
 # only the last 3 numbered temp dirs, shared with any other pytest run on the machine)
-exec "$venv/bin/python" -m pytest -q --confcutdir tests/e2e --basetemp "${VLLM_E2E_TMP:-/tmp/mooncake-audit-vllm-e2e}" \
+exec "$venv/bin/python" -m pytest -q --durations=30 --confcutdir tests/e2e --basetemp "${VLLM_E2E_TMP:-/tmp/mooncake-audit-vllm-e2e}" \
   tests/e2e tests/layouts/test_against_vllm.py tests/layouts/test_vllm_registry.py "$@"
