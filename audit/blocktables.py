@@ -47,6 +47,7 @@ class BlockTableEntry:
     stored_at: float | None = None  # when the put that `block_ids` come from succeeded, if records say
     stored: bool = False            # `block_ids` are those of a successful put (the key's first copy)
     tenant: str = DEFAULT_TENANT    # the Mooncake tenant the publishing client joined, where records say
+    origin: str | None = None       # "file:line" of the record `block_ids` come from: who put the bytes
 
     @property
     def null_backed(self) -> bool:
@@ -75,12 +76,14 @@ class BlockTables:
         entry = self.entries.get(key)
         if entry is None:
             entry = self.entries[key] = BlockTableEntry(key, block_ids, boundary=boundary, stored=stored,
-                                                        stored_at=at if stored else None, tenant=tenant)
+                                                        stored_at=at if stored else None, tenant=tenant,
+                                                        origin=source)
         elif stored and (not entry.stored or _earlier(at, entry.stored_at)):
             entry.block_ids, entry.stored, entry.stored_at = block_ids, True, at  # the first copy is the one kept
-            entry.tenant = tenant
+            entry.tenant, entry.origin = tenant, source
         elif not stored and not entry.stored and NULL_BLOCK_ID in block_ids and not entry.null_backed:
             entry.block_ids = block_ids  # without outcomes, any record mapping the key to the null block is evidence
+            entry.origin = source
         entry.sources.append(source)
         if req_id is not None and req_id not in entry.req_ids:
             entry.req_ids.append(req_id)
@@ -170,7 +173,7 @@ def _expand(record: dict) -> Iterator[tuple[str, tuple[int, ...], int | None]]:
 
 # The recorder's other files in the same directories: consumers' load records (audit.loadrecords)
 # and the load guard's refusals. Neither names a put.
-NOT_PUT_RECORDS = ("loads-", "denied-")
+NOT_PUT_RECORDS = ("loads-", "denied-", "prefixes-")
 
 
 def _files(paths: Iterable[Path]) -> Iterator[Path]:

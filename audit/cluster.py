@@ -155,6 +155,21 @@ class LocalCluster:
     def add_holder(self, timeout_s: float = 30.0, offload: bool | None = None) -> Holder:
         """A holder more; `offload` (the cluster's `offload` unless given): whether it keeps an SSD
         tier, so that one cluster can hold keys that never reach a disk beside keys that do."""
+        offload_dir = None
+        if self.offload if offload is None else offload:
+            assert self.log_dir is not None
+            offload_dir = self.log_dir / f"offload-{free_port()}"
+            offload_dir.mkdir()
+        return self._start_holder(offload_dir, timeout_s)
+
+    def restart_holder(self, holder: Holder, timeout_s: float = 30.0) -> Holder:
+        """Stop `holder` (SIGTERM) and start a new one on its offload directory, as an operator's
+        restart does: at start-up it registers with the master every key its `.meta` files list."""
+        self.kill_holder(holder, signal.SIGTERM)
+        self._wait(lambda: holder.segment not in self.segments(), f"the master to drop holder {holder.port}", timeout_s)
+        return self._start_holder(holder.offload_dir, timeout_s)
+
+    def _start_holder(self, offload_dir: Path | None, timeout_s: float) -> Holder:
         port = free_port()
         before = self.segments()
         args = [
@@ -166,11 +181,7 @@ class LocalCluster:
             f"--metadata_server={self.metadata_url}",
             "--protocol=tcp",
         ]
-        offload_dir = None
-        if self.offload if offload is None else offload:
-            assert self.log_dir is not None
-            offload_dir = self.log_dir / f"offload-{port}"
-            offload_dir.mkdir()
+        if offload_dir is not None:
             args.append("--enable_offload=true")
             admin = AdminClient(self.admin_url)
             disks_before = admin.metric(FILE_CAPACITY) or 0

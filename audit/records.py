@@ -28,6 +28,10 @@ class Verdict(StrEnum):
     DIVERGENT_STATE = "DIVERGENT_STATE"    # a state/KV region beyond tolerance of its reference twin
     # Needs the producer's weights (--model-config DIR with the checkpoint): layer-0 binding.
     WEIGHTS_MISMATCH = "WEIGHTS_MISMATCH"  # layer 0's conv rows are not images of any token under them
+    # ... and the producer's prefix records (--block-tables DIR): the tokens its chunk hash names.
+    PREFIX_MISMATCH = "PREFIX_MISMATCH"    # layer 0's conv rows are images of other tokens than those
+    # Needs a purge's log (--purged LOG): a key `purge --yes` removed is listed again with the same bytes.
+    PURGED_RETURNED = "PURGED_RETURNED"    # e.g. its disk copy, registered again by a restarted holder
     # Recorded, not a finding: the key went away or changed between listing and reading.
     VANISHED = "VANISHED"                  # -704
     MOVED = "MOVED"                        # a lease-free read raced a change: the descriptor moved
@@ -45,7 +49,8 @@ class Verdict(StrEnum):
 FINDINGS = frozenset({Verdict.ZERO_VALUE, Verdict.SHARED_CONTENT, Verdict.CHECKSUM_MISMATCH,
                       Verdict.NULL_BACKED, Verdict.ZERO_STATE, Verdict.PARTIAL_ZERO, Verdict.NONFINITE,
                       Verdict.SIZE_MISMATCH, Verdict.REPLICA_DIVERGENT, Verdict.INCOMPLETE_CHUNK,
-                      Verdict.IDENTITY_SUSPECT, Verdict.DIVERGENT_STATE, Verdict.WEIGHTS_MISMATCH})
+                      Verdict.IDENTITY_SUSPECT, Verdict.DIVERGENT_STATE, Verdict.WEIGHTS_MISMATCH,
+                      Verdict.PREFIX_MISMATCH, Verdict.PURGED_RETURNED})
 INCOMPLETE = frozenset({Verdict.UNREACHABLE, Verdict.READ_ERROR})
 
 
@@ -61,7 +66,8 @@ SEVERITY = {Verdict.ZERO_VALUE: Severity.ERROR, Verdict.ZERO_STATE: Severity.ERR
             Verdict.PARTIAL_ZERO: Severity.ERROR, Verdict.NONFINITE: Severity.ERROR,
             Verdict.SIZE_MISMATCH: Severity.ERROR, Verdict.CHECKSUM_MISMATCH: Severity.ERROR,
             Verdict.REPLICA_DIVERGENT: Severity.ERROR, Verdict.DIVERGENT_STATE: Severity.ERROR,
-            Verdict.WEIGHTS_MISMATCH: Severity.ERROR,
+            Verdict.WEIGHTS_MISMATCH: Severity.ERROR, Verdict.PREFIX_MISMATCH: Severity.ERROR,
+            Verdict.PURGED_RETURNED: Severity.ERROR,
             Verdict.IDENTITY_SUSPECT: Severity.ERROR,  # a size outlier alone: a warning (verdict_severity)
             Verdict.SHARED_CONTENT: Severity.WARNING, Verdict.INCOMPLETE_CHUNK: Severity.WARNING}
 

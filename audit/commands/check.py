@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from audit.commands.common import scan_and_exit
-from audit.commands.options import (SCANNING, CheckpointOpt, EvidenceDir, FailOn, MaxBandwidth, OffloadDir, ReadMode,
-                                    Resume, Sample, Seed, Verbose, progress_option, report_options, takes)
+from audit.commands.options import (SCANNING, CheckpointOpt, EvidenceDir, FailOn, MaxBandwidth, OffloadDir, PurgedLog,
+                                    ReadMode, Resume, Sample, Seed, Verbose, progress_option, report_options, takes)
 
 StateDirOpt = Annotated[Optional[Path], typer.Option("--state-dir", envvar="MOONCAKE_AUDIT_STATE_DIR",
                                                      help="Lock against overlapping runs; remembers keys seen, "
@@ -26,8 +26,8 @@ Pushgateway = Annotated[Optional[str], typer.Option("--pushgateway", envvar="MOO
 def check(*, sample: Sample = None, seed: Seed = 0, state_dir: StateDirOpt = None, deadline: Deadline = None,
           max_bandwidth: MaxBandwidth = None, checkpoint: CheckpointOpt = None, resume: Resume = False,
           prom_file: PromFile = None, pushgateway: Pushgateway = None, evidence: EvidenceDir = None,
-          read_mode: ReadMode = "peek", offload_dir: OffloadDir = None, fail_on: FailOn = "error",
-          verbose: Verbose = False, **options) -> None:
+          read_mode: ReadMode = "peek", offload_dir: OffloadDir = None, purged: PurgedLog = None,
+          fail_on: FailOn = "error", verbose: Verbose = False, **options) -> None:
     """The scan tuned for cron: sampling, a deadline, a bandwidth limit, a lock, metrics.
 
     Exit codes: 0 clean (warnings allowed unless --fail-on warning), 1 errors, 2 could not run (or
@@ -36,4 +36,5 @@ def check(*, sample: Sample = None, seed: Seed = 0, state_dir: StateDirOpt = Non
     scan_and_exit(options, verbose, sample=sample, seed=seed, state_dir=state_dir, deadline_s=deadline,
                   max_bandwidth=max_bandwidth, checkpoint=checkpoint, resume=resume, prom_file=prom_file,
                   pushgateway=pushgateway, evidence_dir=evidence, read_mode=read_mode,
-                  offload_dirs=tuple(offload_dir or ()), fail_on=fail_on)
+                  offload_dirs=tuple(offload_dir or ()), purge_logs=tuple(purged or ()),
+                  fail_on=fail_on)

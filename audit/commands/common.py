@@ -86,6 +86,14 @@ def check_plan(model_config, model, conv_layout, layout, layout_for_all, block_t
                      bindings=Bindings.of(model_config or (), model))
     if block_tables:  # the recorder's manifests beside its records: the producer's own layouts
         plan.use_manifests(block_tables)
+    if plan.manifests is not None and plan.bindings.directories:  # and the weights each producer loaded
+        from audit.judge.fingerprints import ProducerWeights
+
+        plan.bindings.producers = ProducerWeights.compare(plan.manifests, plan.bindings.directories)
+    if block_tables and plan.bindings.directories:  # and the tokens each chunk hash names
+        from audit.prefixrecords import read_prefix_records
+
+        plan.bindings.prefixes = read_prefix_records(block_tables)
     return plan
 
 

@@ -103,9 +103,14 @@ ReadMode = Annotated[str, typer.Option("--read-mode", envvar="MOONCAKE_AUDIT_REA
                                       help="lease (batch_get_into) or peek (lease-free raw reads of every replica).")]
 OffloadDir = Annotated[Optional[list[Path]], typer.Option(
     "--offload-dir", envvar="MOONCAKE_AUDIT_OFFLOAD_DIR", metavar="DIR",
-    help="A holder's SSD offload directory on this host (its MOONCAKE_OFFLOAD_FILE_STORAGE_PATH): with "
-         "--read-mode peek, the disk-only keys stored there are read from its bucket files, with no lease and "
-         "no promotion. Repeatable.")]
+    help="A holder's SSD offload directory on this host (its MOONCAKE_OFFLOAD_FILE_STORAGE_PATH): the disk copy "
+         "of each key also in memory is read from its bucket files and compared (REPLICA_DIVERGENT), values there "
+         "that no master lists are named, and with --read-mode peek the disk-only keys are read from the files, "
+         "with no lease and no promotion. Repeatable.")]
+PurgedLog = Annotated[Optional[list[Path]], typer.Option(
+    "--purged", envvar="MOONCAKE_AUDIT_PURGED", metavar="LOG",
+    help="A purge's log (purge-log.jsonl): a key it removed that is listed again with the same bytes is "
+         "PURGED_RETURNED (a restarted holder re-registered its disk copy). Repeatable.")]
 Sample = Annotated[Optional[str], typer.Option("--sample", envvar="MOONCAKE_AUDIT_SAMPLE",
                                                help="Read N keys, or a fraction (0.05) of them, chosen by --seed.")]
 Seed = Annotated[int, typer.Option("--seed", envvar="MOONCAKE_AUDIT_SEED", help="Sampling seed.")]

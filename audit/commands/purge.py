@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from audit.commands.common import fail, resolve_settings, scan_report
-from audit.commands.options import block_table_options, connection_options, key_options, model_options, pick, takes
+from audit.commands.options import (OffloadDir, block_table_options, connection_options, key_options, model_options,
+                                    pick, takes)
 from audit.errors import AuditError
 from audit.report.inert import printable
 
@@ -25,10 +26,14 @@ def purge(
                                                      show_default="./mooncake-audit-evidence-<time>")] = None,
     log: Annotated[Optional[Path], typer.Option("--log", help="Append every outcome here (JSONL).",
                                                 show_default="purge-log.jsonl beside the evidence")] = None,
+    offload_dir: OffloadDir = None,
     **options,
 ) -> None:
     """Remove flagged keys: dry run unless --yes; evidence saved first; keys changed since the scan
-    are never removed. Exit codes: 0 done, 2 could not run, 3 some keys were not removed."""
+    are never removed. With --offload-dir (a holder's SSD tier on this host), disk-only keys are read
+    from its files and a removed key's disk copies are taken out of them, so that a holder restart
+    does not bring the key back. Exit codes: 0 done, 2 could not run, 3 some keys were not removed,
+    or a removed key's disk copy remains."""
     from datetime import datetime, timezone
 
     from audit.forensics.purge import purge as run_purge
@@ -49,8 +54,8 @@ def purge(
             evidence = evidence or Path(f"mooncake-audit-evidence-{stamp}")
             log = log or evidence / "purge-log.jsonl"
             outcomes = run_purge(resolve_settings(**connection), targets, execute=yes, force=force,
-                                 evidence_dir=evidence if yes else None,
-                                 on_outcome=lambda o: typer.echo(f"{o.action:12} {printable(o.key)}"))
+                                 evidence_dir=evidence if yes else None, offload_dirs=tuple(offload_dir or ()),
+                                 on_outcome=_print_outcome)
             if yes:
                 write_log(log, outcomes)
     except AuditError as error:
@@ -59,4 +64,21 @@ def purge(
     summary = ", ".join(f"{action} {n}" for action, n in counts.items()) or "nothing to purge"
     typer.echo(f"{'purge' if yes else 'dry run (add --yes to remove)'}: {summary}"
                + (f"; evidence in {printable(str(evidence))}, log {printable(str(log))}" if yes else ""), err=True)
-    raise typer.Exit(0 if set(counts) <= {"would-remove", "removed", "gone"} else 3)
+    remains = [o for o in outcomes if o.disk_copy_remains]
+    if remains:
+        typer.echo(f"{len(remains)} removed key(s) keep a disk copy that a holder restart brings back; on each "
+                   f"holder's host run this purge again with --offload-dir (its MOONCAKE_OFFLOAD_FILE_STORAGE_PATH)",
+                   err=True)
+    raise typer.Exit(0 if set(counts) <= {"would-remove", "removed", "gone"} and not remains else 3)
+
+
+def _print_outcome(outcome) -> None:
+    """One line a key; one more a disk copy taken out, or left on a holder this purge cannot reach."""
+    typer.echo(f"{outcome.action:12} {printable(outcome.key)}")
+    for copy in outcome.disk_copies or ():
+        if copy["how"] == "remains":
+            typer.echo(f"{'disk-copy':12} {printable(outcome.key)}: remains on holder {printable(copy['endpoint'])}'s "
+                       f"SSD (run purge on that host with --offload-dir)", err=True)
+        else:
+            typer.echo(f"{'disk-copy':12} {printable(outcome.key)}: {copy['how']} {printable(copy['file'])} "
+                       f"(bytes in {printable(copy['evidence'])})")

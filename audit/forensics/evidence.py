@@ -31,7 +31,8 @@ def key_file_name(key: str) -> str:
     return f"{xxhash.xxh3_64_hexdigest(key.encode('utf-8', 'surrogateescape'))}.json"
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
+    """Through a temporary dot-name (no holder scans it, no reader takes it for the file), then renamed."""
     temp = path.with_name(f".{path.name}.{os.getpid()}.partial")
     with open(temp, "wb") as handle:
         handle.write(data)
@@ -57,11 +58,11 @@ class EvidenceStore:
         """Blob (once per content) and sidecar of one key; returns the sidecar's path."""
         blob = self.directory / "blobs" / f"{record.xxh3:016x}-{record.size}.gz"
         if not blob.exists():
-            _write_atomically(blob, gzip.compress(np.ascontiguousarray(data).tobytes(), compresslevel=1))
+            write_atomically(blob, gzip.compress(np.ascontiguousarray(data).tobytes(), compresslevel=1))
         sidecar = self.directory / "keys" / key_file_name(record.key)
         document = {**record.to_json(), "replicas": info.replicas, "saved_at": _now(), "reason": reason,
                     "blob": str(blob.relative_to(self.directory))}
-        _write_atomically(sidecar, json.dumps(document, indent=1).encode())
+        write_atomically(sidecar, json.dumps(document, indent=1).encode())
         self.saved.add(record.key)
         return sidecar
 
@@ -90,7 +91,7 @@ class EvidenceStore:
             sidecar = self.directory / "keys" / key_file_name(key)
             document = json.loads(sidecar.read_text())
             document.update(verdicts=list(record.verdicts), evidence=record.evidence)
-            _write_atomically(sidecar, json.dumps(document, indent=1).encode())
+            write_atomically(sidecar, json.dumps(document, indent=1).encode())
             lines.append(json.dumps({"key": key, "verdicts": record.verdicts, "sidecar": f"keys/{sidecar.name}",
                                      "blob": document["blob"]}))
-        _write_atomically(self.directory / "index.jsonl", ("\n".join(lines) + "\n" if lines else "").encode())
+        write_atomically(self.directory / "index.jsonl", ("\n".join(lines) + "\n" if lines else "").encode())

@@ -15,9 +15,12 @@ import numpy as np
 
 from audit.checks.binding import ROW_TOLERANCE, nearest_tokens
 from audit.checks.floats import decode_floats
+from audit.judge.fingerprints import ProducerWeights
+from audit.judge.prefixes import check_prefix
 from audit.layouts import LayoutError
 from audit.layouts.checkpoint import Checkpoint
 from audit.layouts.weights import token_images
+from audit.prefixrecords import PrefixRecords
 from audit.records import KeyRecord, Verdict
 
 # A value already flagged for its state (zero, NaN/Inf, or a reading not decided) is not decoded.
@@ -35,6 +38,8 @@ class Bindings:
 
     directories: dict[str, Path] = field(default_factory=dict)  # model name (as in keys) -> directory
     unbound: dict[str, str] = field(default_factory=dict)
+    producers: ProducerWeights | None = None  # the manifests' fingerprints against these directories'
+    prefixes: PrefixRecords | None = None     # the producers' prefix records (--block-tables DIR)
     _images: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -61,13 +66,17 @@ class Bindings:
         """For the report: which models' keys were bound, and why the others' were not. `in_tasks`
         (--ray): each task bound its own keys (their verdicts are in the records); what they bound
         is not brought back, so the models given are listed as such."""
+        extra = {} if self.producers is None else {"fingerprints": self.producers.summary()}
+        if self.prefixes is not None:  # PREFIX_MISMATCH: what the records could say
+            extra["prefix_records"] = {"hashes": len(self.prefixes), "conflicting": len(self.prefixes.conflicts),
+                                       "skipped_lines": self.prefixes.skipped}
         if in_tasks:
             return {"bound": [], "not_bound": {}, "row_tolerance": ROW_TOLERANCE,
-                    "bound_in_tasks": sorted(self.directories)}
+                    "bound_in_tasks": sorted(self.directories), **extra}
         bound = {model for model, _, _ in self._images} - set(self.unbound)
         not_bound = {model: self.unbound.get(model, NO_LAYER0_STATE) for model in self.directories
                      if model not in bound}
-        return {"bound": sorted(bound), "not_bound": not_bound, "row_tolerance": ROW_TOLERANCE}
+        return {"bound": sorted(bound), "not_bound": not_bound, "row_tolerance": ROW_TOLERANCE, **extra}
 
 
 def layer0_conv(layout):
@@ -111,9 +120,13 @@ def bind_values(records: list[KeyRecord], values: list, readings: list, bindings
             tried.setdefault(i, []).append((images, tokens[start:end], distances[start:end]))
             start = end
     for i, outcomes in tried.items():
-        if all(not (distances <= ROW_TOLERANCE).all() for _, _, distances in outcomes):
+        bound = [(images, tokens) for images, tokens, distances in outcomes if (distances <= ROW_TOLERANCE).all()]
+        if not bound:
             images, tokens, distances = outcomes[0]
             _flag(records[i], tokens, distances, images)
+        elif bindings.prefixes is not None:  # these weights' state: of the prefix its hash names?
+            images, tokens = bound[0]
+            check_prefix(records[i], tokens, images, bindings.prefixes)
 
 
 def _rows(value, region) -> np.ndarray | None:

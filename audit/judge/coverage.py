@@ -105,7 +105,8 @@ def account(census: Census, tally, *, not_reached: int) -> dict:
         gaps.append(_gap("replicas_not_read", None, "replicas of audited keys not read: "
                          + ", ".join(f"{n} on {tier}" for tier, n in replicas_unread.items()),
                          "--read-mode peek reads every memory replica; a copy on another tier is read only when "
-                         "the key has no memory replica (Mooncake's get reads memory first)",
+                         "the key has no memory replica (Mooncake's get reads memory first), or, for a holder's "
+                         "SSD copies, with --offload-dir DIR on its host",
                          replicas=replicas_unread))
     tenants = None if census.tenants is None else [
         {"name": t.name, "charged_bytes": t.charged_bytes,

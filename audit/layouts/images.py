@@ -101,6 +101,21 @@ class TokenImages:
         order = np.argsort(codes, kind="stable")
         return centers, codes[order], order
 
+    @cached_property
+    def twins(self) -> dict[int, np.ndarray]:
+        """Tokens whose images are identical (untrained or tied embeddings), each mapped to its whole
+        class: a row decodes to one of them, and any of them may be the token it was made of."""
+        rows = np.ascontiguousarray(self.table)
+        keys = rows.view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))).ravel()
+        _, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
+        shared = np.flatnonzero(counts[inverse] > 1)
+        grouped = shared[np.argsort(inverse[shared], kind="stable")]
+        classes: dict[int, np.ndarray] = {}
+        for members in np.split(grouped, np.flatnonzero(np.diff(inverse[grouped])) + 1) if len(grouped) else ():
+            for token in members:
+                classes[int(token)] = members
+        return classes
+
     def _normed(self, embedded: np.ndarray) -> np.ndarray:
         """Layer 0's mixer input of embedded tokens: scaled, then through the RMSNorm."""
         h = embedded * np.float32(self.embedding_scale)

@@ -45,23 +45,31 @@ def _varint(data: bytes, at: int) -> tuple[int, int]:
         shift += 7
 
 
-def _fields(data: bytes) -> Iterator[tuple[int, int | bytes]]:
-    """(field number, value) of a protobuf message holding varints and length-delimited fields only."""
+def _spans(data: bytes) -> Iterator[tuple[int, int | bytes, int, int]]:
+    """(field number, value, start, end) of each field of a protobuf message holding varints and
+    length-delimited fields only; `start:end` is the field's encoding, tag included."""
     at = 0
     while at < len(data):
+        start = at
         tag, at = _varint(data, at)
         number, wire = tag >> 3, tag & 7
         if wire == 0:
             value, at = _varint(data, at)
-            yield number, value
+            yield number, value, start, at
         elif wire == 2:
             length, at = _varint(data, at)
             if at + length > len(data):
                 raise ValueError("truncated field")
-            yield number, data[at:at + length]
+            yield number, data[at:at + length], start, at + length
             at += length
         else:
             raise ValueError(f"unexpected wire type {wire}")
+
+
+def _fields(data: bytes) -> Iterator[tuple[int, int | bytes]]:
+    """(field number, value) of a protobuf message holding varints and length-delimited fields only."""
+    for number, value, _, _ in _spans(data):
+        yield number, value
 
 
 def bucket_values(meta: Path) -> list[StoredValue]:
@@ -79,6 +87,42 @@ def bucket_values(meta: Path) -> list[StoredValue]:
     bucket = meta.with_suffix(".bucket")
     return [StoredValue(bucket, offset, key_size, size, key)
             for key, (offset, key_size, size) in zip(keys, places)]
+
+
+def meta_without(meta: bytes, stored_keys: set[bytes]) -> tuple[bytes, int]:
+    """A `.meta`'s bytes with the entries of `stored_keys` left out (the i-th key and the i-th
+    place go together), every other byte as it was; and how many keys it still lists. A holder
+    registers at start-up exactly the keys its `.meta` files list (Mooncake's
+    `BucketStorageBackend::Init`), at the offsets they give: the bucket file itself is not touched,
+    so the other keys' values stay where their places say."""
+    spans = list(_spans(meta))
+    key_spans = [index for index, (number, *_) in enumerate(spans) if number == 2]
+    place_spans = [index for index, (number, *_) in enumerate(spans) if number == 3]
+    if len(key_spans) != len(place_spans):
+        raise ValueError(f"{len(key_spans)} keys but {len(place_spans)} places")
+    dropped = {span for key, place in zip(key_spans, place_spans) if spans[key][1] in stored_keys
+               for span in (key, place)}
+    kept = b"".join(meta[start:end] for index, (_, _, start, end) in enumerate(spans) if index not in dropped)
+    return kept, len(key_spans) - len(dropped) // 2
+
+
+def buckets_holding(directories: Iterable[Path], stored_keys: set[bytes]) -> dict[Path, list[StoredValue]]:
+    """Every complete bucket of `directories` that lists one of `stored_keys`, by `.meta` path, with
+    those keys' values: all of them, not only the newest (a restarted holder registers each)."""
+    found: dict[Path, list[StoredValue]] = {}
+    for directory in map(Path, directories):
+        if not directory.is_dir():
+            raise AuditError(f"offload directory {directory} does not exist")
+        for meta in sorted(directory.glob("*.meta")):
+            try:
+                values = [value for value in bucket_values(meta) if value.stored_key in stored_keys]
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError) as error:
+                raise AuditError(f"cannot read offload metadata {meta}: {error}") from None
+            if values:
+                found[meta] = values
+    return found
 
 
 def stored_key(tenant: str, key: str) -> bytes:

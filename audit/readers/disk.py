@@ -17,7 +17,7 @@ afresh before a finding is reported.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from pathlib import Path
 
 import xxhash
@@ -27,8 +27,9 @@ from audit.errors import ERROR_NAMES, MOVED, NOT_PEEKABLE
 from audit.readers.buckets import StoredValue, index_directories, stored_key
 from audit.readers.buffers import ALIGNMENT, FetchedBatch, HostBuffer, Slot, plan_batches
 from audit.readers.confirm import Confirmation, KeyRead, confirmation_of
-from audit.readers.descriptors import query_answers
-from audit.records import KeyInfo, KeyRecord
+from audit.readers.descriptors import Replica, query_answers, replicas_of
+from audit.readers.replicas import judge_disk_copy
+from audit.records import KeyInfo, KeyRecord, Verdict
 
 OBJECT_NOT_FOUND = -704
 TRANSFER_FAIL = -800
@@ -154,3 +155,97 @@ class DiskReader:
 
     def close(self) -> None:
         """Nothing is held between batches: files are opened per batch, buffers are plain memory."""
+
+
+UNLISTED_NAMED = 100  # unlisted values named one by one in a report; the rest are counted
+
+
+class DiskCopies:
+    """The SSD tier beside memory, from the offload directories on this host: the disk copy of every
+    key also held in memory, read and compared with the bytes the key was judged by
+    (REPLICA_DIVERGENT when they differ, `judge_disk_copy`), and the values on disk that no master
+    lists (a key removed through Mooncake keeps its bucket, and a restarted holder registers it again).
+
+    Buckets are written once, so a copy that agrees needs no second look; one that differs is read
+    again from a fresh index (the key may have been removed and put again into a newer bucket) and
+    stands only while the master still lists the key with its memory replicas as listed and a disk
+    replica of that size."""
+
+    def __init__(self, admin: AdminClient, directories: Iterable[Path]):
+        self.admin = admin
+        self.directories = list(directories)
+        self.index = index_directories(self.directories)
+        self.compared = self.divergent = self.elsewhere = 0
+
+    def compare(self, record: KeyRecord, key: KeyInfo) -> None:
+        """Read `key`'s disk copy and judge it against `record` (the key as read from memory)."""
+        if record.xxh3 is None:
+            return
+        value = self._stored(key.name)
+        if value is None:
+            self.elsewhere += 1  # its holder's directory is not among ours (another host)
+            return
+        row = self._read(value)
+        if row["status"] == "ok" and row["xxh3"] != f"{record.xxh3:016x}":
+            self.index = index_directories(self.directories)
+            value = self._stored(key.name)
+            row = self._read(value) if value is not None else None
+            if row is None or not self._still_listed(key, row):
+                return
+        before = Verdict.REPLICA_DIVERGENT in record.verdicts
+        judge_disk_copy(record, {**row, "endpoint": _disk_endpoint(key)})
+        self.compared += row["status"] == "ok"
+        self.divergent += not before and Verdict.REPLICA_DIVERGENT in record.verdicts
+
+    def _stored(self, name: str) -> StoredValue | None:
+        return self.index.get(stored_key(DEFAULT_TENANT, name))
+
+    def _read(self, value: StoredValue) -> dict:
+        row = {"tier": "local_disk", "file": str(value.path), "offset": value.value_offset, "size": value.size,
+               "xxh3": None, "status": "ok"}
+        try:
+            with open(value.path, "rb") as bucket:
+                record = os.pread(bucket.fileno(), value.key_size + value.size, value.offset)
+        except FileNotFoundError:  # the bucket left the disk (evicted) since it was indexed
+            return {**row, "status": "moved", "error": {"code": MOVED, "name": ERROR_NAMES.get(MOVED, "MOVED")}}
+        except OSError as error:
+            return {**row, "status": "failed", "error": {"code": TRANSFER_FAIL, "name": "TRANSFER_FAIL",
+                                                         "message": error.strerror}}
+        if len(record) != value.key_size + value.size or record[:value.key_size] != value.stored_key:
+            return {**row, "status": "failed", "error": {"code": TRANSFER_FAIL, "name": "TRANSFER_FAIL",
+                                                         "message": "the bucket does not hold the key's record there"}}
+        return {**row, "xxh3": f"{xxhash.xxh3_64_intdigest(memoryview(record)[value.key_size:]):016x}"}
+
+    def _still_listed(self, key: KeyInfo, row: dict) -> bool:
+        """Whether the master lists the key now as it did when its memory copy was read."""
+        answer = query_answers(self.admin, [key.name]).get(key.name)
+        listed = [Replica(str(r["endpoint"]), int(r["address"]), int(r["size"]))
+                  for r in key.replicas if r.get("tier") == "memory"]
+        return (answer is not None and answer.get("ok") and replicas_of(answer) == listed
+                and row["size"] in (_disk_sizes(answer) or set()))
+
+    def unlisted(self, listed: Container[str], key_filter: Callable[[str], bool]) -> dict:
+        """The values of `key_filter`'s keys in the directories that the listing did not show and
+        the master does not know (asked again); other tenants' values are counted only (the admin
+        API answers for the default tenant)."""
+        self.index = index_directories(self.directories)
+        default = DEFAULT_TENANT.encode() + b"\0"
+        candidates: dict[str, StoredValue] = {}
+        other_tenants = 0
+        for stored, value in self.index.items():
+            if not stored.startswith(default):
+                other_tenants += 1
+                continue
+            name = stored[len(default):].decode("utf-8", "surrogateescape")
+            if name not in listed and key_filter(name):
+                candidates[name] = value
+        answers = query_answers(self.admin, candidates)
+        gone = sorted(name for name in candidates if _disk_sizes(answers.get(name, {"error": "OBJECT_NOT_FOUND"})) is None)
+        return {"values": len(gone), "other_tenants_values": other_tenants,
+                "named": [{"key": name, "file": str(candidates[name].path), "offset": candidates[name].value_offset,
+                           "size": candidates[name].size} for name in gone[:UNLISTED_NAMED]]}
+
+    def summary(self, unlisted: dict | None) -> dict:
+        return {"directories": [str(directory) for directory in self.directories],
+                "disk_copies_compared": self.compared, "disk_copies_divergent": self.divergent,
+                "disk_copies_elsewhere": self.elsewhere, **({"unlisted": unlisted} if unlisted is not None else {})}

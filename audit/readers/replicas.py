@@ -22,3 +22,25 @@ def judge_replicas(record: KeyRecord, rows: list[dict]) -> None:
         record.verdicts.append(Verdict.REPLICA_DIVERGENT)
         record.evidence["replica_divergent"] = {"digests": sorted(digests),
                                                 "replicas_compared": sum(row["status"] == "ok" for row in rows)}
+
+
+def judge_disk_copy(record: KeyRecord, disk_row: dict) -> None:
+    """A key's disk copy (read from its holder's offload files) beside the bytes the key was judged
+    by, which came from memory: REPLICA_DIVERGENT when the disk copy was read fine and differs,
+    whichever is right. A lease read leaves no replica rows: the bytes judged stand in for memory."""
+    rows = record.evidence.setdefault("replicas", [])
+    if not rows:
+        rows.append({"tier": "memory", "xxh3": f"{record.xxh3:016x}", "status": "ok"})
+    rows.append(disk_row)
+    if disk_row["status"] != "ok" or disk_row["xxh3"] == f"{record.xxh3:016x}":
+        return
+    by_tier: dict[str, set[str]] = {}
+    for row in rows:
+        if row["status"] == "ok":
+            by_tier.setdefault(row.get("tier", "memory"), set()).add(row["xxh3"])
+    if Verdict.REPLICA_DIVERGENT not in record.verdicts:
+        record.verdicts.append(Verdict.REPLICA_DIVERGENT)
+    record.evidence["replica_divergent"] = {
+        "digests": sorted(set().union(*by_tier.values())),
+        "replicas_compared": sum(row["status"] == "ok" for row in rows),
+        "tiers": {tier: sorted(digests) for tier, digests in sorted(by_tier.items())}}

@@ -12,6 +12,11 @@ layer's tensor. The manifest copies those, never recomputes them, into
 The hook is put on the worker class when a connector builds its store (``RecordingStore.__init__``
 calls `hook_store_worker`): the worker module is loaded then; no vLLM module is imported here. Writing
 is best effort: a failure is logged and never reaches vLLM.
+
+The manifest also carries the fingerprint of the checkpoint vLLM loaded (`audit.layouts.fingerprint`):
+written ``"complete": false`` at once, then computed in a background thread and the manifest
+rewritten with it, so a 140 GB checkpoint never delays serving (``MOONCAKE_AUDIT_FINGERPRINT=off``:
+not computed).
 """
 
 from __future__ import annotations
@@ -22,9 +27,16 @@ import math
 import os
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
+from audit.layouts.fingerprint import (
+    ALGORITHM,
+    FINGERPRINT_ENV,
+    fingerprint,
+    fingerprint_enabled,
+)
 from audit.layouts.manifest import MANIFEST_SCHEMA, MANIFEST_VERSION, manifest_name
 from audit.recorder.records import DEFAULT_TENANT, logger
 
@@ -34,6 +46,8 @@ WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.wor
 MAMBA_KINDS = {"MAMBA1": "mamba1", "MAMBA2": "mamba2", "GDN_ATTN": "gdn", "SHORT_CONV": "short_conv"}
 # A Mamba page packs the layer's states in MambaSpec order (conv first); vLLM names none of them.
 STATE_NAMES = ("conv", "ssm")
+FINGERPRINT_THREAD = "mooncake-audit-fingerprint"
+_writing = threading.Lock()  # the hook and the fingerprint thread rewrite the same manifest
 
 
 def hook_store_worker(directory: Path) -> bool:
@@ -54,7 +68,10 @@ def hook_store_worker(directory: Path) -> bool:
         try:
             document = describe_worker(self, kv_caches)
             if document is not None:
-                logger.info("mooncake-audit manifest written: %s", write_manifest(directory, document))
+                document["fingerprint"] = pending_fingerprint(document.get("model_path"))
+                with _writing:
+                    logger.info("mooncake-audit manifest written: %s", write_manifest(directory, document))
+                fingerprint_in_background(directory, document)
         except Exception:  # a manifest bug must not cost the producer its caches
             logger.exception("mooncake-audit: cannot write the producer's manifest (block records are unaffected)")
             document = None
@@ -108,8 +125,72 @@ def describe_worker(worker, kv_caches: dict) -> dict | None:
         "pp_size": worker.pp_size, "pp_rank": worker.pp_rank, "pcp_rank": worker.pcp_rank,
         "dcp_rank": worker.dcp_rank, "num_blocks": worker.num_blocks,
         "cache_dtype": str(cache_config.cache_dtype), "mamba_cache_mode": getattr(cache_config, "mamba_cache_mode", None),
+        "model_path": loaded_model_directory(),
         "groups": groups,
     }
+
+
+def loaded_model_directory() -> str | None:
+    """The directory vLLM loaded its weights from: ``model_config.model`` when it is a directory,
+    else the Hugging Face cache's snapshot of that repository and revision (looked up, never
+    downloaded); None when neither is on this host. vLLM sets its config around the call."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:
+        return None
+    config = get_current_vllm_config_or_none()
+    model = getattr(getattr(config, "model_config", None), "model", None)
+    if not model:
+        return None
+    if Path(model).is_dir():
+        return str(Path(model).resolve())
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, revision=config.model_config.revision, local_files_only=True,
+                                 cache_dir=getattr(config.load_config, "download_dir", None))
+    except Exception:  # noqa: BLE001 (no hub, or not in its cache: the manifest says so)
+        return None
+
+
+def pending_fingerprint(model_path: str | None) -> dict:
+    """The manifest's ``fingerprint`` before it is computed, or why it never will be."""
+    entry = {"algorithm": ALGORITHM, "model_path": model_path, "complete": False, "digest": None}
+    try:
+        enabled = fingerprint_enabled()
+    except ValueError as error:  # a typo must not cost the producer its manifest
+        return {**entry, "note": f"{error} (not fingerprinted)"}
+    if not enabled:
+        return {**entry, "note": f"{FINGERPRINT_ENV}=off"}
+    if model_path is None:
+        return {**entry, "note": "the model vLLM loaded is not a directory on this host (not fingerprinted)"}
+    return {**entry, "note": "computing"}
+
+
+def fingerprint_in_background(directory: Path, document: dict) -> threading.Thread | None:
+    """Fingerprint the document's model directory in a daemon thread, then rewrite its manifest
+    with the result; None when there is nothing to compute."""
+    entry = document["fingerprint"]
+    if entry.get("note") != "computing":
+        return None
+
+    def run() -> None:
+        try:
+            found = fingerprint(Path(entry["model_path"]))
+            done = {**entry, "complete": True, "note": None, **found.as_dict()}
+        except Exception as error:  # noqa: BLE001 (the manifest says why; vLLM never sees it)
+            done = {**entry, "note": f"cannot fingerprint: {error}"}
+        try:
+            with _writing:
+                document["fingerprint"] = done
+                path = write_manifest(directory, document)
+            logger.info("mooncake-audit: checkpoint fingerprint in %s: %s", path, done["digest"] or done["note"])
+        except Exception:  # noqa: BLE001 (logged; vLLM never sees it)
+            logger.exception("mooncake-audit: cannot write the checkpoint's fingerprint into the manifest")
+
+    thread = threading.Thread(target=run, name=FINGERPRINT_THREAD, daemon=True)
+    thread.start()
+    return thread
 
 
 def device_capability(platform) -> list[int] | None:

@@ -7,8 +7,9 @@ then; replacing that attribute is enough. Without ``MOONCAKE_AUDIT_RECORD`` or
 nothing else.
 
 Environment:
-  MOONCAKE_AUDIT_RECORD=DIR         record every published key's block ids, and every loaded key's
-                                    request, into DIR
+  MOONCAKE_AUDIT_RECORD=DIR         record every published key's block ids, every loaded key's
+                                    request, and per chunk hash the digest of the tokens its state
+                                    holds at layer 0 (`audit.recorder.prefixes`), into DIR
   MOONCAKE_AUDIT_GUARD=1            withhold keys read from the null block (implies recording; into
                                     MOONCAKE_AUDIT_RECORD if set, else default_record_directory())
   MOONCAKE_AUDIT_LOAD_GUARD=1       check every loaded value before the model reads it and fail the
@@ -127,6 +128,10 @@ def install(settings: RecorderSettings) -> type | None:
 
     mooncake_store.MooncakeDistributedStore = recording_store_class(
         current, writer("blocks"), guard=settings.guard, loads=writer("loads"), load_guard=load_guard)
+    from audit.prefixrecords import PREFIX_RECORD_PREFIX
+    from audit.recorder.prefixes import install_prefix_recorder
+
+    install_prefix_recorder(writer(PREFIX_RECORD_PREFIX.rstrip("-")))
     logger.info("mooncake-audit recorder installed: put and load records in %s, null-block guard %s, load guard %s",
                 settings.directory, "on" if settings.guard else "off", "on" if settings.load_guard else "off")
     return mooncake_store.MooncakeDistributedStore

@@ -14,7 +14,6 @@ from audit.report.inert import human_bytes, inert, inert_key, printable
 from audit.report.output import ReportOutput, WholeReportSink
 
 
-
 def _verdict_line(summary: dict) -> str:
     """The headline, in step with the exit code: errors fail the run, warnings only under
     --fail-on warning; what was not audited, or not judged fully, makes it incomplete."""
@@ -51,7 +50,13 @@ def _binding_line(binding: dict) -> str:
     bound = ", ".join(printable(model, 60) for model in binding["bound"]) or "none"
     not_bound = "; ".join(f"{printable(model, 60)}: {printable(reason, 160)}"
                           for model, reason in binding["not_bound"].items())
-    return f"layer-0 binding: {bound}" + (f"; not bound: {not_bound}" if not_bound else "")
+    line = f"layer-0 binding: {bound}" + (f"; not bound: {not_bound}" if not_bound else "")
+    compared = Counter(row["status"] if row["status"] in ("other weights", "same weights") else "nothing claimed"
+                       for row in binding.get("fingerprints") or ())
+    if compared:  # per manifest: its producer's checkpoint against the one given
+        line += "; producers' checkpoints: " + ", ".join(f"{count} {status}" for status, count in
+                                                         sorted(compared.items()))
+    return line
 
 
 def _scope(findings: list[KeyRecord]) -> list[str]:
@@ -69,6 +74,20 @@ def _by_design(summary: dict) -> str | None:
         return None
     return (f"by design, not findings: {duplicates} key(s) in {summary.get('expected_duplicate_groups', 0)} "
             f"expected duplicate group(s), {warmups} warm-up key(s)")
+
+
+def _offload_lines(offload: dict) -> list[str]:
+    """The SSD tier read from offload directories: disk copies compared, values no master lists."""
+    lines = [f"disk copies (--offload-dir): {offload['disk_copies_compared']} compared with memory, "
+             f"{offload['disk_copies_divergent']} divergent"
+             + (f", {offload['disk_copies_elsewhere']} on other hosts' disks, not compared"
+                if offload["disk_copies_elsewhere"] else "")]
+    unlisted = offload.get("unlisted")
+    if unlisted and unlisted["values"]:
+        shown = ", ".join(printable(value["key"], 80) for value in unlisted["named"][:5])
+        lines.append(f"on disk but listed by no master: {unlisted['values']} value(s), which a holder restart "
+                     f"registers again: {shown}{', ...' if unlisted['values'] > 5 else ''}")
+    return lines
 
 
 class HumanSink(WholeReportSink):
@@ -94,6 +113,8 @@ class HumanSink(WholeReportSink):
         if "coverage" in summary:
             for line in [coverage_headline(summary["coverage"]), *gap_lines(summary["coverage"])]:
                 console.print(line, markup=False)
+        for line in _offload_lines(summary["offload"]) if "offload" in summary else ():
+            console.print(line, markup=False)
         by_design = _by_design(summary)
         if by_design:
             console.print(by_design, markup=False)

@@ -33,7 +33,8 @@ class ScanOptions:
     pushgateway: str | None = None
     evidence_dir: Path | None = None          # flagged keys' bytes and sidecars
     read_mode: str = "lease"                  # lease: batch_get_into; peek: lease-free raw reads (docs/read-modes.md)
-    offload_dirs: tuple[Path, ...] = ()       # holders' SSD offload directories here: peek reads their files
+    offload_dirs: tuple[Path, ...] = ()       # holders' SSD offload directories here: disk copies read from their files
+    purge_logs: tuple[Path, ...] = ()         # purge logs: a key they removed, listed again with its bytes, is flagged
     verify_writer_checksum: bool = False      # Mooncake verifies the writer's CRC-64 on read (docs/verdicts.md)
     ray: str | None = None                    # a Ray address: shards read by Ray tasks (docs/scale-out.md)
     shard_mb: int = 1024                      # bytes per Ray task

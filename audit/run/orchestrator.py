@@ -22,6 +22,8 @@ from audit.judge.duplicates import replication_from
 from audit.judge.ledger import RecordLedger
 from audit.judge.merge import merge_records
 from audit.judge.plan import CheckPlan
+from audit.judge.purged import PurgedKeys
+from audit.readers.disk import DiskCopies
 from audit.run.progress import ScanProgress
 from audit.records import KeyRecord, Report, Verdict
 from audit.run.checkpoint import Checkpoint
@@ -77,6 +79,14 @@ def _select(keys: KeyTable, options: ScanOptions, state: StateDir | None, contex
     if options.sample is not None:
         context["sample"] = {"requested": options.sample, "seed": options.seed, "new_keys": len(new)}
     return selected
+
+
+def _memory_and_disk(keys: KeyTable) -> dict:
+    """The keys with a memory replica and a disk copy on a holder's SSD (`local_disk`), by name:
+    read from memory, their disk copies are compared with what was read."""
+    _, unusual = keys.unusual()
+    return {key.name: key for key in unusual
+            if {replica.get("tier") for replica in key.replicas} >= {"memory", "local_disk"}}
 
 
 def _resume(keys: KeyTable, done: dict[str, KeyRecord], records: RecordLedger) -> KeyTable:
@@ -270,6 +280,7 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
     started = time.perf_counter()
     clients = TenantClients(settings, store.client, closers)
     census = None
+    purged = PurgedKeys(options.purge_logs) if options.purge_logs else None
     try:
         with phases.phase("listing (key counts, /get_all_keys, sizing)"):
             census = Census.before_listing(admin)
@@ -305,12 +316,18 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
         for record in other.records:
             records.add(record)
         keys_selected += len(other.keys) + len(other.records)
+        disk_copies = DiskCopies(admin, options.offload_dirs) if options.offload_dirs else None
+        in_both_tiers = _memory_and_disk(keys) if disk_copies is not None else {}
         keys, lease_only = split_lease_only(keys, options)
         other.groups.insert(0, (None, lease_only))
         progress.start(len(keys) + len(other.keys), keys.total_size() + sum(key.size or 0 for key in other.keys))
         phases.add("planning (selection, coverage tiers, checkpoint)", time.perf_counter() - planning_rest)
 
         def emit(record: KeyRecord) -> None:
+            if record.tenant is None and (both := in_both_tiers.get(record.key)) is not None:
+                disk_copies.compare(record, both)
+            if purged is not None:
+                purged.judge(record)
             records.add(record)
             sink.record(record)
             progress.advance(1, record.size or 0)
@@ -327,6 +344,13 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
                                                    MasterWatch(admin, stop), evidence, emit, started)
         finally:
             progress.stop()
+        if disk_copies is not None:
+            with phases.phase("offload directories (values no master lists)"):
+                listed = {*listing.keys.names(), *listing.vanished}
+                context["offload"] = disk_copies.summary(disk_copies.unlisted(listed, key_filter))
+                disk_tier = census.tiers.get("local_disk")
+                if disk_tier:  # the copies compared were read after all
+                    disk_tier["not_read"] = max(disk_tier["not_read"] - disk_copies.compared, 0)
         interrupted = stop.is_set()
         reason = reason or (f"{signals.received} received" if signals.received else None)
         if reason:

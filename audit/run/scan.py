@@ -52,6 +52,8 @@ def check_batch(batch: FetchedBatch, checker, plan: CheckPlan, evidence=None) ->
                 values[i] = batch.view(batch.slots[i], batch.slots[i].key.size)
             bind_values(records, values, [readings.get(i) or ((layouts[i],) if layouts[i] is not None else ())
                                           for i in range(len(records))], plan.bindings)
+            if plan.bindings.producers is not None:  # keys put by a producer that loaded other weights
+                plan.bindings.producers.flag(records, plan.tables)
         if batch.replicas is not None:  # a peek read: every replica's digest
             for record, rows in zip(records, batch.replicas):
                 judge_replicas(record, rows)

@@ -18,6 +18,10 @@ two groups, Zamba2), bfloat16, at the block vLLM chooses, prompts sized in it.
 - Another checkpoint under the same model name (the same tiny Mamba2 with the weights of another
   seed, served by a second vLLM into the same store, other prompts): every one of its keys, and no
   other, is WEIGHTS_MISMATCH.
+- PREFIX_MISMATCH: every engine runs with the recorder, whose scheduler hook writes per chunk hash
+  the digest of the tokens its state holds at layer 0; every published key's hash has its record,
+  a scan with them flags nothing, and another request's state put under a key (its own key gone)
+  is PREFIX_MISMATCH, alone.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ class Produced:
     keys: list[str]
     prompts: list[list[int]]
     block: int                           # the engine's block size
+    records: Path                        # the recorder's directory (put and prefix records)
     scan: harness.Scan | None = None
 
 
@@ -109,11 +114,12 @@ def produced(session, models_dir: Path, name: str) -> Produced:
 def _produce(session, models_dir: Path, case: Case) -> Produced:
     cluster, config = session.cluster(f"binding-{case.name}")
     batch = prompts(40) if case.block else harness.sized_batch(3, 2, 5, seed=40)
-    run = harness.run_engine(models_dir / case.model, config, [batch], session.root / f"binding-{case.name}",
-                             mamba=True, block_size=case.block, dtype=case.dtype, tp=case.tp, max_tokens=2,
-                             drain=True)
+    work = session.root / f"binding-{case.name}"
+    run = harness.run_engine(models_dir / case.model, config, [batch], work, mamba=True, block_size=case.block,
+                             dtype=case.dtype, tp=case.tp, max_tokens=2, drain=True, record_dir=work / "records")
     keys = harness.published_keys(cluster, run)
-    result = Produced(case, cluster, config, models_dir / case.model, keys, run.prompts[0], run.vllm["block_size"])
+    result = Produced(case, cluster, config, models_dir / case.model, keys, run.prompts[0], run.vllm["block_size"],
+                      work / "records")
     result.scan = harness.scan(config, cluster, "--model-config", str(result.model_dir))
     return result
 
@@ -222,3 +228,60 @@ def test_another_checkpoint_under_the_same_name_is_weights_mismatch(session, mod
     assert {r["key"] for r in scan.report["findings"]} == theirs
     assert min(distances) > 0.05
     assert scan.rc == 1
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_key_has_its_prefix_record_and_matches_it(session, models_dir, observed, name):
+    """The recorder named the tokens of every published key's hash, and every state holds them."""
+    from audit.prefixrecords import read_prefix_records
+
+    result = produced(session, models_dir, name)
+    recorded = read_prefix_records([result.records])
+    hashes = {harness.key_fields(key)["hash"] for key in result.keys}
+    assert hashes and all(recorded.get(h) is not None for h in hashes), sorted(h for h in hashes if not recorded.get(h))
+    assert not recorded.conflicts and recorded.skipped == 0
+    scan = harness.scan(result.config, result.cluster, "--model-config", str(result.model_dir),
+                        "--block-tables", str(result.records))
+    assert scan.report is not None, f"exit {scan.rc}: {scan.stderr[-800:]}"
+    observed.setdefault("prefix_records", {})[name] = {"keys": len(result.keys), "hashes_recorded": len(recorded),
+                                                       "flagged": sorted(scan.keys_with("PREFIX_MISMATCH"))}
+    assert scan.report["summary"]["binding"]["prefix_records"]["hashes"] == len(recorded)
+    # (the other checkpoint's keys, when its test ran first, are WEIGHTS_MISMATCH: not this engine's)
+    ours = [r for r in scan.report["findings"] if r["key"] in set(result.keys)]
+    assert scan.keys_with("PREFIX_MISMATCH") == set() and ours == [], ours[:2]
+
+
+def test_another_requests_state_under_a_key_is_prefix_mismatch(session, models_dir, observed):
+    """A key whose value is replaced by another request's state, that state's own key then removed
+    (so no SHARED_CONTENT can tell): finite, non-zero, of these weights, and PREFIX_MISMATCH."""
+    from audit.connection import Settings
+    from audit.workload import Publisher
+
+    result = produced(session, models_dir, "mamba2-fp32-tp1")
+    victim, source = sorted(result.keys)[:2]
+    values = _values(result.config, [victim, source])
+    publisher = Publisher(Settings.resolve(config=result.config, admin=result.cluster.admin_url,
+                                           local_hostname="127.0.0.1"))
+    try:
+        for key in (victim, source):
+            _remove_when_unleased(publisher, key)
+        publisher.put(victim, values[source])
+    finally:
+        publisher.close()
+    scan = harness.scan(result.config, result.cluster, "--model-config", str(result.model_dir),
+                        "--block-tables", str(result.records))
+    assert scan.report is not None, f"exit {scan.rc}: {scan.stderr[-800:]}"
+    flagged = {r["key"]: r for r in scan.report["findings"] if r["key"] in set(result.keys)}
+    observed["prefix_swapped"] = {"victim": victim, "flagged": sorted(flagged)}
+    assert set(flagged) == {victim} and flagged[victim]["verdicts"] == ["PREFIX_MISMATCH"], flagged
+    assert scan.keys_with("PREFIX_MISMATCH") == {victim} and scan.rc == 1
+
+
+def _remove_when_unleased(publisher, key: str, timeout_s: float = 60) -> None:
+    """Mooncake refuses to remove a key a read still leases (-706): wait the lease out."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (code := publisher.remove(key)) == -706 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert code == 0, (key, code)

@@ -18,6 +18,7 @@ import sys
 
 import pytest
 
+from audit.layouts.fingerprint import fingerprint
 from audit.layouts.manifest import FROM_MANIFEST, read_manifests
 from tests.e2e import harness
 from tests.e2e.conftest import long_prompts, writer_prompts
@@ -61,13 +62,18 @@ def vllm_reference(session, produced: Produced, dtype: str) -> dict:
 
 
 @pytest.mark.parametrize("model,way", RUNS)
-def test_the_manifest_gives_vllms_own_layout(session, models_dir, model, way):
+def test_the_manifest_gives_vllms_own_layout(session, models_dir, model, way, tmp_path):
     produced, dtype = served(session, models_dir, model, way)
     (manifest,) = manifests_of(produced)  # one worker process, one rank
     reference = vllm_reference(session, produced, dtype)
     session.observed[produced.name]["manifest"] = manifest
     assert (manifest["model"], manifest["tp_size"], manifest["tp_rank"], manifest["platform"]) == (model, 1, 0, "cpu")
     assert manifest["vllm_version"] == "0.32.0" and manifest["tenant"] == "default"
+    # the checkpoint vLLM loaded, fingerprinted off vLLM's path (a tiny model: done before the engine stops)
+    assert manifest["model_path"] == str(produced.model_dir.resolve())
+    carried = manifest["fingerprint"]
+    assert (carried["complete"], carried["algorithm"]) == (True, "xxh3_128"), carried
+    assert carried["digest"] == fingerprint(produced.model_dir, tmp_path / "cache").digest
     for group in manifest["groups"]:
         assert group["block_size"] == reference["cache"]["block_size"], group
         assert all(segment["block_len"] == group["page_size"] for segment in group["segments"]), group

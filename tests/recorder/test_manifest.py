@@ -4,19 +4,29 @@ never costs vLLM anything when it fails. vLLM's objects are stand-ins laid out a
 
 from __future__ import annotations
 
+import fcntl
 import json
 import sys
+import threading
 import types
 
 import pytest
 
 from audit.blocktables import read_block_tables
+from audit.layouts.fingerprint import cache_entry, default_cache, fingerprint
 from audit.layouts.manifest import manifest_files, read_manifests
 from audit.recorder import manifest as manifest_module
 from audit.recorder.blocks import KeyBlocks
-from audit.recorder.manifest import WORKER_MODULE, describe_worker, hook_store_worker, layer_index, write_manifest
+from audit.recorder.manifest import (
+    WORKER_MODULE,
+    describe_worker,
+    hook_store_worker,
+    layer_index,
+    write_manifest,
+)
 from audit.recorder.records import RecordWriter, key_lines
 from audit.recorder.wrapper import recording_store_class
+from tests.helpers import tiny_mamba2_checkpoint
 from tests.recorder import fake_vllm
 
 
@@ -176,3 +186,80 @@ def test_records_name_a_tenant_only_when_it_is_not_the_default(tmp_path):
     (tmp_path / "manifest-h-7.json").write_text("{}")  # a manifest beside them is no block table
     tables = read_block_tables([tmp_path, tmp_path / "manifest-h-7.json"])
     assert tables.get("k").tenant == "team-a" and tables.summary(None)["tenants"] == {"team-a": 1}
+
+
+def _vllm_config_loading(monkeypatch, model) -> None:
+    """``vllm.config.get_current_vllm_config_or_none``, as vLLM sets it around register_kv_caches."""
+    config = types.ModuleType("vllm.config")
+    current = types.SimpleNamespace(model_config=types.SimpleNamespace(model=str(model), revision=None),
+                                    load_config=types.SimpleNamespace(download_dir=None))
+    config.get_current_vllm_config_or_none = lambda: current
+    monkeypatch.setitem(sys.modules, "vllm.config", config)
+
+
+def test_the_manifest_carries_the_checkpoints_fingerprint_computed_without_holding_vllm(fake_vllm_installed,
+                                                                                        monkeypatch, tmp_path):
+    model = tmp_path / "mamba-tiny"
+    tiny_mamba2_checkpoint(model)
+    monkeypatch.setenv("MOONCAKE_AUDIT_CACHE", str(tmp_path / "cache"))
+    _vllm_config_loading(monkeypatch, model)
+    worker, kv_caches = fake_vllm.hybrid_worker()
+    worker_class = _fake_worker_module(monkeypatch, lambda self, caches: "registered")
+    assert hook_store_worker(tmp_path / "records")
+    monkeypatch.setattr(manifest_module, "describe_worker", lambda self, caches: describe_worker(worker, caches))
+    weights = model / "model.safetensors"
+    lock = cache_entry(weights, weights.stat(), default_cache()).with_suffix(".lock")
+    lock.parent.mkdir(parents=True)
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another rank is hashing this file: the thread waits, vLLM does not
+        assert worker_class.register_kv_caches(object(), kv_caches) == "registered"
+        (path,) = (tmp_path / "records").glob("manifest-*.json")
+        first = json.loads(path.read_text())
+        assert first["model_path"] == str(model.resolve())
+        assert first["fingerprint"] == {"algorithm": "xxh3_128", "model_path": str(model.resolve()),
+                                        "complete": False, "digest": None, "note": "computing"}
+    (thread,) = [thread for thread in threading.enumerate() if thread.name == manifest_module.FINGERPRINT_THREAD]
+    thread.join(timeout=60)
+
+    document = json.loads(path.read_text())
+    expected = fingerprint(model)  # from the cache the thread filled
+    carried = document["fingerprint"]
+    assert (carried["complete"], carried["note"], carried["algorithm"]) == (True, None, "xxh3_128")
+    assert (carried["digest"], carried["header"], carried["files"], carried["bytes"]) == (
+        expected.digest, expected.header, 1, weights.stat().st_size)
+    assert (carried["hashed_files"], expected.hashed_files) == (1, 0)
+    assert document["written_at"] == first["written_at"] and document["groups"] == first["groups"]
+    assert read_manifests([path.parent]).manifests[0].document["fingerprint"]["digest"] == expected.digest
+
+
+@pytest.mark.parametrize("setting, model, note", [
+    ("off", "checkpoint", "MOONCAKE_AUDIT_FINGERPRINT=off"),
+    ("maybe", "checkpoint", "MOONCAKE_AUDIT_FINGERPRINT='maybe': expected on or off (not fingerprinted)"),
+    ("on", "org/not-downloaded-here", "the model vLLM loaded is not a directory on this host (not fingerprinted)"),
+])
+def test_a_fingerprint_turned_off_or_out_of_reach_is_said_and_never_started(fake_vllm_installed, monkeypatch,
+                                                                            tmp_path, setting, model, note):
+    if model == "checkpoint":
+        model = tmp_path / "mamba-tiny"
+        tiny_mamba2_checkpoint(model)
+    monkeypatch.setenv("MOONCAKE_AUDIT_FINGERPRINT", setting)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _vllm_config_loading(monkeypatch, model)
+    document = describe_worker(*fake_vllm.hybrid_worker())
+    document["fingerprint"] = manifest_module.pending_fingerprint(document["model_path"])
+    assert document["fingerprint"]["note"] == note and document["fingerprint"]["complete"] is False
+    assert manifest_module.fingerprint_in_background(tmp_path, document) is None
+    assert not list(tmp_path.glob("manifest-*"))
+
+
+def test_a_checkpoint_that_cannot_be_fingerprinted_is_said_in_the_manifest(fake_vllm_installed, monkeypatch,
+                                                                           tmp_path):
+    (tmp_path / "empty").mkdir()
+    _vllm_config_loading(monkeypatch, tmp_path / "empty")
+    document = describe_worker(*fake_vllm.hybrid_worker())
+    document["fingerprint"] = manifest_module.pending_fingerprint(document["model_path"])
+    manifest_module.fingerprint_in_background(tmp_path / "records", document).join(timeout=60)
+    (path,) = (tmp_path / "records").glob("manifest-*.json")
+    carried = json.loads(path.read_text())["fingerprint"]
+    assert carried["complete"] is False and carried["digest"] is None
+    assert carried["note"] == f"cannot fingerprint: {tmp_path / 'empty'}: no weight files to fingerprint"

@@ -1,0 +1,113 @@
+"""A purge that sticks on a tiered store (issue #41): Mooncake's `remove` leaves a key's SSD copy,
+and a restarted holder registers it again. `purge --yes --offload-dir DIR` takes the copy out of
+the holder's bucket files (its `.meta` entry; the other keys of the bucket stay readable), so the
+key stays gone after a real holder restart; a purge without the directory says the copy remains,
+and the next `check --purged LOG` flags the key that came back PURGED_RETURNED; purged again, now
+disk-only, it is read from the bucket file and stays gone after the next restart.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import xxhash
+
+from audit.cluster import LocalCluster
+from audit.connection import open_store
+from audit.readers.buckets import index_directories, stored_key
+from tests.conftest import settings_for
+from tests.helpers import by_key, run_cli, scan_json
+from tests.readers.test_disk_copies import (
+    BUCKET_KEYS,
+    KEYS,
+    VALUE_BYTES,
+    cli_args,
+    fill,
+    remove,
+)
+
+PURGED, LEFT_ON_DISK, REMOVED = "sticks/1", "sticks/6", "sticks/3"  # two zero values, one healthy key
+
+
+def _report(cluster: LocalCluster, key: str, path) -> None:
+    result = run_cli("scan", *cli_args(cluster), "--prefix", key, "--read-mode", "peek", "--format", "json",
+                     "--output", str(path), "--no-progress")
+    assert result.exit_code == 1, result.output
+    assert [record["key"] for record in json.loads(path.read_text())["findings"]] == [key]
+
+
+def test_a_purged_key_stays_gone_after_a_holder_restart(tmp_path):
+    with LocalCluster(holders=1, segment_mb=64, offload=True, bucket_keys=BUCKET_KEYS, client_ttl_s=3,
+                      log_dir=tmp_path) as cluster:
+        values = fill(cluster, "sticks", zero={1, 6})
+        holder = cluster.running_holders[0]
+        offload_dir = holder.offload_dir
+        store = open_store(settings_for(cluster))
+        try:
+            remove(store, REMOVED)  # the application's remove: its disk copy stays, and comes back
+        finally:
+            store.close()
+        bucket_of_purged = index_directories([offload_dir])[stored_key("default", PURGED)].path
+
+        _report(cluster, PURGED, tmp_path / "purged.json")
+        evidence = tmp_path / "evidence"
+        done = run_cli("purge", str(tmp_path / "purged.json"), *cli_args(cluster), "--yes", "--evidence", str(evidence),
+                       "--offload-dir", str(offload_dir))
+        assert done.exit_code == 0, done.output
+        (saved,) = (evidence / "disk-copies").glob("*.gz")
+        assert done.stdout.splitlines() == [
+            f"removed      {PURGED}",
+            f"disk-copy    {PURGED}: meta-rewritten {bucket_of_purged} (bytes in disk-copies/{saved.name})"]
+        assert gzip.decompress(saved.read_bytes()) == bytes(VALUE_BYTES)  # evidence first: the disk copy's bytes
+        (log_line,) = (evidence / "purge-log.jsonl").read_text().splitlines()
+        (copy,) = json.loads(log_line)["disk_copies"]
+        assert copy["how"] == "meta-rewritten" and copy["xxh3"] == xxhash.xxh3_64_hexdigest(bytes(VALUE_BYTES))
+        index = index_directories([offload_dir])
+        assert stored_key("default", PURGED) not in index  # the .meta no longer lists it ...
+        assert sum(value.path == bucket_of_purged for value in index.values()) == BUCKET_KEYS - 1  # ... the rest it does
+
+        _report(cluster, LEFT_ON_DISK, tmp_path / "left.json")
+        left = run_cli("purge", str(tmp_path / "left.json"), *cli_args(cluster), "--yes",
+                       "--evidence", str(tmp_path / "evidence-left"))
+        assert left.exit_code == 3, left.output  # removed, but its disk copy remains: said, in one line
+        assert f"disk-copy    {LEFT_ON_DISK}: remains on holder 127.0.0.1:" in left.stderr
+        assert "1 removed key(s) keep a disk copy that a holder restart brings back" in left.stderr
+
+        cluster.restart_holder(holder)
+        cluster.wait_held([REMOVED, LEFT_ON_DISK], "local_disk")  # the holder's metadata scan registered them again
+        back = cluster.tiers(values)
+        assert set(back) == set(values) - {PURGED}
+        assert all(tiers == {"local_disk"} for tiers in back.values())
+
+        check = run_cli("check", *cli_args(cluster), "--prefix", "sticks/", "--read-mode", "lease", "--all",
+                        "--format", "json", "--no-progress", "--purged", str(evidence / "purge-log.jsonl"),
+                        "--purged", str(tmp_path / "evidence-left" / "purge-log.jsonl"))
+        assert check.exit_code == 1, check.output
+        document = json.loads(check.stdout)
+        records = by_key(document)
+        assert document["summary"]["verdicts"] == {"ZERO_VALUE": 1, "PURGED_RETURNED": 1}
+        assert records[LEFT_ON_DISK]["verdicts"] == ["ZERO_VALUE", "PURGED_RETURNED"]
+        assert records[LEFT_ON_DISK]["evidence"]["purged"]["log"].endswith("evidence-left/purge-log.jsonl")
+        assert set(records) == set(values) - {PURGED}
+        for key in records:  # read back through the holder, at the offsets its .meta files give
+            assert records[key]["xxh3"] == f"{xxhash.xxh3_64_intdigest(values[key]):016x}", key
+
+        _, rescan = scan_json([*cli_args(cluster), "--prefix", "sticks/", "--read-mode", "peek",
+                               "--offload-dir", str(offload_dir)])
+        assert rescan["summary"]["keys_scanned"] == KEYS - 1 and rescan["summary"]["offload"]["unlisted"]["values"] == 0
+
+        # The key that came back is disk-only now: purged again on the holder's host, from its bucket file.
+        (tmp_path / "returned.json").write_text(json.dumps({**document, "findings": [records[LEFT_ON_DISK]]}))
+        again = run_cli("purge", str(tmp_path / "returned.json"), *cli_args(cluster), "--yes",
+                        "--evidence", str(tmp_path / "evidence-again"), "--offload-dir", str(offload_dir))
+        assert again.exit_code == 0, again.output
+        assert again.stdout.splitlines()[0] == f"removed      {LEFT_ON_DISK}"
+        assert again.stdout.splitlines()[1].startswith(f"disk-copy    {LEFT_ON_DISK}: meta-rewritten ")
+        (sidecar,) = (tmp_path / "evidence-again" / "keys").glob("*.json")
+        blob = tmp_path / "evidence-again" / json.loads(sidecar.read_text())["blob"]
+        assert gzip.decompress(blob.read_bytes()) == bytes(VALUE_BYTES)  # read from the file before the remove
+        holder = cluster.running_holders[0]
+        cluster.restart_holder(holder)
+        cluster.wait_held([REMOVED], "local_disk")
+        assert set(cluster.tiers(values)) == set(values) - {PURGED, LEFT_ON_DISK}

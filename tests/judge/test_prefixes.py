@@ -1,0 +1,86 @@
+"""PREFIX_MISMATCH in a real scan (issue #40 §3): a state of these weights whose layer-0 rows decode
+to other tokens than those its producer recorded for its chunk hash is flagged; a healthy one, and
+one without a record, are not; tokens whose images are shared may be any of their class."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import jsonschema
+import numpy as np
+
+from audit.judge.plan import load_layouts
+from audit.judge.prefixes import check_prefix
+from audit.layouts.weights import token_images
+from audit.prefixrecords import PrefixDigest, PrefixRecords, prefix_digest, prefix_line, read_prefix_records
+from audit.producers.vllm import vllm_key
+from audit.records import KeyRecord, Verdict
+from tests.helpers import report_schema, run_cli, tiny_mamba2_checkpoint
+from tests.judge.test_binding import FLAGS, MODEL, _value
+
+
+def test_a_state_of_other_tokens_under_its_hash_is_prefix_mismatch(publisher, cli_args, namespace, tmp_path):
+    ours = tmp_path / MODEL
+    tiny_mamba2_checkpoint(ours, seed=0)
+    (layout,) = load_layouts(model_configs=[ours], state_dtype="float32", ssm_dtype="float32")
+    images = token_images(ours, MODEL, 1, 0)
+    rng = np.random.default_rng(11)
+    prefix = namespace[:-1]
+    records = tmp_path / "records"
+    records.mkdir()
+    recorded, values = [], {}
+    for i in range(6):  # healthy: each key's rows are the images of the tokens recorded for its hash
+        chunk_hash, tokens = f"{i:064x}", [int(t) for t in rng.choice(32, 3, replace=False)]
+        recorded.append(prefix_line(chunk_hash, 3, tokens))
+        values[vllm_key(MODEL, chunk_hash, cache_prefix=prefix)] = images.images(tokens)
+    swapped = vllm_key(MODEL, f"{100:064x}", cache_prefix=prefix)  # another request's state under this hash
+    recorded.append(prefix_line(f"{100:064x}", 3, [4, 5, 6]))
+    values[swapped] = images.images([7, 8, 9])
+    earlier = vllm_key(MODEL, f"{101:064x}", cache_prefix=prefix)  # the state one token before its boundary
+    recorded.append(prefix_line(f"{101:064x}", 3, [10, 11, 12]))
+    values[earlier] = images.images([9, 10, 11])
+    unrecorded = vllm_key(MODEL, f"{102:064x}", cache_prefix=prefix)
+    values[unrecorded] = images.images([1, 2, 3])
+    (records / "prefixes-host-1-0000.jsonl").write_text("\n".join(recorded) + "\n{\"hash\": 3}\n")
+    for key, rows in values.items():
+        publisher.put(key, _value(layout, rows, rng))
+
+    result = run_cli("scan", *cli_args, "--prefix", prefix + "@", "--model-config", str(ours), *FLAGS,
+                     "--block-tables", str(records), "--format", "json", "--no-progress")
+    assert result.exit_code == 1, result.output
+    document = json.loads(result.stdout)
+    jsonschema.validate(document, report_schema())
+    flagged = {r["key"]: r for r in document["findings"]}
+    assert set(flagged) == {swapped, earlier}
+    for key, record in flagged.items():
+        assert record["verdicts"] == ["PREFIX_MISMATCH"], record
+        evidence = record["evidence"]["prefix_mismatch"]
+        assert evidence["window"] == 3 and evidence["recorded_digest"] != evidence["decoded_digest"]
+    assert flagged[swapped]["evidence"]["prefix_mismatch"]["decoded_digest"] == prefix_digest([7, 8, 9])
+    assert document["summary"]["binding"]["prefix_records"] == {"hashes": 8, "conflicting": 0, "skipped_lines": 1}
+
+
+def test_shared_images_may_be_any_token_of_their_class():
+    """Tokens 3 and 5 have one image (tied embeddings): rows decoded as 3 match a record of 5."""
+    images = SimpleNamespace(twins={3: np.array([3, 5]), 5: np.array([3, 5])})
+    records = PrefixRecords()
+    records.add("ab", PrefixDigest(3, prefix_digest([1, 5, 2])))
+    records.add("cd", PrefixDigest(3, prefix_digest([1, 6, 2])))
+    kept = KeyRecord(key=vllm_key(MODEL, "ab"), size=0, fields=None)
+    assert check_prefix(kept, np.array([1, 3, 2]), images, records) is False and kept.verdicts == []
+    wrong = KeyRecord(key=vllm_key(MODEL, "cd"), size=0, fields=None)
+    assert check_prefix(wrong, np.array([1, 3, 2]), images, records) is True
+    assert wrong.verdicts == [Verdict.PREFIX_MISMATCH]
+    assert wrong.evidence["prefix_mismatch"]["shared_images"] == 1
+    assert check_prefix(KeyRecord(key=vllm_key(MODEL, "ef"), size=0, fields=None), np.array([1, 3, 2]), images, records) is None
+
+
+def test_a_hash_recorded_with_two_digests_claims_nothing(tmp_path):
+    (tmp_path / "prefixes-a-1-0000.jsonl").write_text(prefix_line("AB", 3, [1, 2, 3]) + "\n")
+    (tmp_path / "prefixes-b-2-0000.jsonl").write_text(prefix_line("ab", 3, [1, 2, 4]) + "\n"
+                                                      + prefix_line("cd", 3, [1, 2, 3]) + "\n")
+    (tmp_path / "blocks-a-1-0000.jsonl").write_text('{"key": "x", "block_ids": [1]}\n')
+    records = read_prefix_records([tmp_path])
+    assert records.records == 3 and records.conflicts == {"ab"} and records.get("AB") is None
+    assert records.get("cd") == PrefixDigest(3, prefix_digest([1, 2, 3])) and len(records) == 1
