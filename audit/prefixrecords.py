@@ -16,11 +16,12 @@ secret either (a few tokens can be searched for): keep record directories as pri
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import xxhash
 
 from audit.recordfiles import Malformed, numbered_lines, parsed_lines
@@ -30,8 +31,12 @@ DIGEST = "xxh3_64 of the tokens as little-endian int64"
 
 
 def prefix_digest(tokens: Sequence[int]) -> str:
-    """The digest of `tokens`, oldest first (the recorder's and the scan's: one function)."""
-    return xxhash.xxh3_64_hexdigest(np.asarray(tokens, dtype="<i8").tobytes())
+    """The digest of `tokens`, oldest first (the recorder's, the guards' and the scan's: one function;
+    a few tokens at a time, so through `array`, not numpy)."""
+    packed = array("q", (int(token) for token in tokens))
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return xxhash.xxh3_64_hexdigest(packed.tobytes())
 
 
 def prefix_line(chunk_hash: str, window: int, tokens: Sequence[int]) -> str:
@@ -84,7 +89,7 @@ def prefix_record_paths(paths: Iterable[Path]) -> list[Path]:
     return found
 
 
-def _parse(record: dict) -> tuple[str, PrefixDigest]:
+def parse_prefix_record(record: dict) -> tuple[str, PrefixDigest]:
     chunk_hash, window, digest = record.get("hash"), record.get("window"), record.get("digest")
     if not isinstance(chunk_hash, str) or not isinstance(digest, str) or type(window) is not int or window < 1:
         raise Malformed("hash and digest must be strings, window a positive integer")
@@ -99,7 +104,7 @@ def read_prefix_records(paths: Iterable[Path]) -> PrefixRecords:
         result.skipped += 1
 
     for path in prefix_record_paths(paths):
-        for _, parsed in parsed_lines(numbered_lines(path, "prefix record"), path, "prefix record", _parse,
+        for _, parsed in parsed_lines(numbered_lines(path, "prefix record"), path, "prefix record", parse_prefix_record,
                                       lenient=True, skipped=skipped):
             result.add(*parsed)
     return result

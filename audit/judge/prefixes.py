@@ -13,33 +13,40 @@ import math
 
 import numpy as np
 
-from audit.prefixrecords import DIGEST, PrefixRecords, prefix_digest
+from audit.prefixrecords import DIGEST, PrefixDigest, PrefixRecords, prefix_digest
 from audit.producers.vllm import split_stem
 from audit.records import KeyRecord, Verdict
 
 MAX_READINGS = 256  # token sequences tried for a window of shared images; beyond it, nothing is claimed
 
 
-def check_prefix(record: KeyRecord, tokens: np.ndarray, images, prefixes: PrefixRecords) -> bool | None:
-    """Flag `record` when its decoded layer-0 `tokens` (oldest first) do not digest to its chunk
-    hash's record. None: nothing to compare (no record, a window the rows do not hold, too many
-    readings); True: flagged."""
-    split = split_stem(record.key)  # a vLLM key ends in its chunk hash (a key without one has no record)
-    expected = prefixes.get(split[1]) if split else None
-    if expected is None or expected.window > len(tokens):
+def prefix_matches(tokens, expected: PrefixDigest, twins: dict) -> bool | None:
+    """Whether decoded `tokens` (oldest first) end in the tokens `expected` digests, any token of a
+    class of shared images standing for any other (`twins`); None: nothing to say (the rows hold
+    fewer tokens than the window, or the classes leave too many readings)."""
+    if expected.window > len(tokens):
         return None
-    chunk_hash = split[1]
     window = [int(t) for t in tokens[len(tokens) - expected.window:]]
     if prefix_digest(window) == expected.digest:
-        return False
-    classes = [images.twins.get(token, (token,)) for token in window]
+        return True
+    classes = [twins.get(token, (token,)) for token in window]
     if math.prod(len(c) for c in classes) > MAX_READINGS:
         return None
-    if any(prefix_digest(reading) == expected.digest for reading in itertools.product(*classes)):
-        return False
+    return any(prefix_digest(reading) == expected.digest for reading in itertools.product(*classes))
+
+
+def check_prefix(record: KeyRecord, tokens: np.ndarray, images, prefixes: PrefixRecords) -> bool | None:
+    """Flag `record` when its decoded layer-0 `tokens` (oldest first) do not digest to its chunk
+    hash's record. None: nothing to compare (no record, or `prefix_matches` cannot say); True: flagged."""
+    split = split_stem(record.key)  # a vLLM key ends in its chunk hash (a key without one has no record)
+    expected = prefixes.get(split[1]) if split else None
+    matches = None if expected is None else prefix_matches(tokens, expected, images.twins)
+    if matches is not False:
+        return None if matches is None else False
+    window = [int(t) for t in tokens[len(tokens) - expected.window:]]
     record.verdicts.append(Verdict.PREFIX_MISMATCH)
     record.evidence["prefix_mismatch"] = {
-        "chunk_hash": chunk_hash, "window": expected.window, "recorded_digest": expected.digest,
+        "chunk_hash": split[1], "window": expected.window, "recorded_digest": expected.digest,
         "decoded_digest": prefix_digest(window), "digest": DIGEST,
-        "shared_images": sum(len(c) > 1 for c in classes)}
+        "shared_images": sum(token in images.twins for token in window)}
     return True

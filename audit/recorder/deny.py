@@ -26,7 +26,7 @@ DEFAULT_CAPACITY = 1 << 16
 PUT_RECORDS_POLL_S = 0.5  # another engine's puts: read at most this often
 
 
-class _Tail:
+class RecordTail:
     """New whole lines of the files matching `pattern` in `directories`."""
 
     def __init__(self, directories: list[Path], pattern: str):
@@ -77,8 +77,8 @@ class DenyList:
         self.denied = _Bounded(capacity)
         self.null_backed = _Bounded(capacity)
         self._first_put = _Bounded(capacity * 4)  # a key's first stored put decides its source
-        self._denied_tail = _Tail([Path(directory)], f"{DENIED_STEM}-*.jsonl")
-        self._put_tail = _Tail([Path(directory), *map(Path, put_directories)], "blocks-*.jsonl")
+        self._denied_tail = RecordTail([Path(directory)], f"{DENIED_STEM}-*.jsonl")
+        self._put_tail = RecordTail([Path(directory), *map(Path, put_directories)], "blocks-*.jsonl")
         self._puts_read_at = 0.0
         self._lock = threading.Lock()
 

@@ -6,18 +6,19 @@ recurrent-state region all zero, the whole value zero, NaN/Inf in a float region
 from the consumer's own manifest (`audit.recorder.manifest.describe_worker`: each group's segments,
 state offsets and dtypes); a group it could not describe is checked segment by segment for zeros.
 On a CUDA KV cache the Triton region kernel checks the batch in place; on the CPU, numpy reads the
-pages through their addresses.
+pages through their addresses. With a `StateBinder`, a value those checks pass is bound at layer 0
+(`audit.recorder.binding`: WEIGHTS_MISMATCH, PREFIX_MISMATCH).
 """
 
 from __future__ import annotations
 
-import ctypes
 import re
 from collections.abc import Sequence
 
 import numpy as np
 
 from audit.checks.loaded import LoadedRegion, combine, device_region_flags, refusal
+from audit.recorder.binding import StateBinder, host_bytes
 from audit.recorder.deny import DenyList
 
 _GROUP = re.compile(r"@group:(\d+)@")
@@ -53,11 +54,11 @@ def group_regions(document: dict) -> dict[int, list[list[LoadedRegion] | None]]:
 
 
 class LoadGuard:
-    def __init__(self, deny: DenyList):
+    def __init__(self, deny: DenyList, binder: StateBinder | None = None):
         self.deny = deny
+        self.binder = binder
         self.regions: dict[int, list[list[LoadedRegion] | None]] = {}
         self._storages: list[tuple[int, int, object]] = []  # CUDA: (base, nbytes, uint8 view of the storage)
-        self._arrays: dict[int, type] = {}
         self.refusals = 0
 
     def describe(self, document: dict, kv_caches: dict, *, in_kernel: bool | None = None) -> None:
@@ -65,6 +66,8 @@ class LoadGuard:
         caches live on a GPU (or `in_kernel` says so: the Triton interpreter on CPU tensors), byte
         views of their storages for the kernel."""
         self.regions = group_regions(document)
+        if self.binder is not None:
+            self.binder.describe(document)
         storages = {}
         for value in kv_caches.values():
             for tensor in value if isinstance(value, (list, tuple)) else (value,):
@@ -94,21 +97,25 @@ class LoadGuard:
         else:
             found = {}
             for index in loaded:
-                segments = [self._host_view(ptr, size) for ptr, size in zip(addrs[index], sizes[index])]
+                segments = [host_bytes(ptr, size) for ptr, size in zip(addrs[index], sizes[index])]
                 reason = refusal(segments, self._regions_of(keys[index]))
                 if reason is not None:
                     found[index] = reason
+        if self.binder is not None:  # layer 0: these weights' state, of the request's own tokens?
+            unrefused = [index for index in loaded if index not in found]
+            found.update(self.binder.refusals(keys, unrefused, lambda i, s: self._segment_bytes(addrs[i][s], sizes[i][s])))
         return found
+
+    def _segment_bytes(self, address: int, size: int) -> np.ndarray:
+        """A loaded segment's bytes on the host (copied from the device where the caches live there)."""
+        if not self._storages:
+            return host_bytes(address, size)
+        base, _, view = self._storages[self._storage_of(address)]
+        return view[address - base:address - base + size].cpu().numpy()
 
     def _regions_of(self, key: str) -> list[list[LoadedRegion] | None] | None:
         match = _GROUP.search(key)
         return self.regions.get(int(match.group(1)) if match else 0)
-
-    def _host_view(self, address: int, size: int) -> np.ndarray:
-        array = self._arrays.get(size)
-        if array is None:
-            array = self._arrays[size] = ctypes.c_uint8 * size
-        return np.frombuffer(array.from_address(address), dtype=np.uint8)
 
     def _check_on_device(self, keys, addrs, sizes, loaded: list[int]) -> dict[int, str]:
         """Every region of the batch, one kernel launch per storage and dtype; judged per value."""

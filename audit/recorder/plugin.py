@@ -119,12 +119,14 @@ def install(settings: RecorderSettings) -> type | None:
     load_guard = None
     if settings.load_guard:
         from audit.recorder.deny import DENIED_STEM, DenyList
+        from audit.recorder.binding import StateBinder
         from audit.recorder.guard import LoadGuard
 
         deny = writer(DENIED_STEM)
 
         def load_guard() -> LoadGuard:  # one per store: each holds its own consumer's regions
-            return LoadGuard(DenyList(settings.directory, deny, list(settings.put_records)))
+            return LoadGuard(DenyList(settings.directory, deny, list(settings.put_records)),
+                             StateBinder(settings.directory))
 
     mooncake_store.MooncakeDistributedStore = recording_store_class(
         current, writer("blocks"), guard=settings.guard, loads=writer("loads"), load_guard=load_guard)

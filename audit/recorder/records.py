@@ -5,7 +5,8 @@ Put records (``blocks-*``): one record per published key, in the per-key block-t
 ``{"key", "block_ids", "rc", "time", "pid", "segments"[, "tp_rank"][, "tenant"]}`` (``tenant`` when the
 client joined one other than Mooncake's default), plus ``"offsets"``, ``"sizes"`` and ``"note"`` when
 the block ids could not be derived (``"block_ids": null``), and ``"withheld": true, "reason":
-"NULL_BLOCK_ID"`` for keys the guard kept out of the store.
+"NULL_BLOCK_ID"`` (or ``"WEIGHTS_MISMATCH"``, ``"PREFIX_MISMATCH"``: `audit.recorder.binding`) for keys the guard
+kept out of the store.
 
 Load records (``loads-*``): one record per key a consumer loaded, in the shape `audit.loadrecords`
 reads: ``{"key", "time", "host", "pid", "request_id", "vllm_request_id", "bytes", "rc"[, "tp_rank"]
@@ -23,7 +24,7 @@ import re
 import socket
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from audit.blocktables import DEFAULT_TENANT
@@ -39,7 +40,7 @@ _ENCODER = json.JSONEncoder(separators=(",", ":"))  # built once: json.dumps(sep
 
 
 def key_lines(keys: Sequence[str], blocks: Sequence[KeyBlocks], results: Sequence[int | None],
-              sizes: Sequence[Sequence[int]], withheld: set[int], now: float, pid: int,
+              sizes: Sequence[Sequence[int]], withheld: Mapping[int, str], now: float, pid: int,
               error: str | None = None, tenant: str = DEFAULT_TENANT) -> list[str]:
     """The JSON lines of one put: key i was published with result ``results[i]`` (None: the put raised).
 
@@ -60,7 +61,7 @@ def key_lines(keys: Sequence[str], blocks: Sequence[KeyBlocks], results: Sequenc
         if key_blocks.block_ids is None:
             rare.update(offsets=key_blocks.offsets, sizes=list(sizes[index]), note=key_blocks.note)
         if index in withheld:
-            rare.update(withheld=True, reason=NULL_BLOCK_REASON)
+            rare.update(withheld=True, reason=withheld[index])
         if error is not None:
             rare["error"] = error
         lines.append(f"{line},{_ENCODER.encode(rare)[1:]}" if rare else line + "}")

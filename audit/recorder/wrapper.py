@@ -19,10 +19,11 @@ import socket
 import time
 from contextlib import contextmanager
 
+from audit.recorder.binding import StateBinder, host_bytes
 from audit.recorder.blocks import KeyBlocks, RegisteredRegions
 from audit.recorder.loads import current_request, hook_receiving_thread, note_refusal
 from audit.recorder.manifest import hook_store_worker
-from audit.recorder.records import DEFAULT_TENANT, RecordWriter, key_lines, load_lines, logger
+from audit.recorder.records import DEFAULT_TENANT, NULL_BLOCK_REASON, RecordWriter, key_lines, load_lines, logger
 
 # The result reported for a withheld key. vLLM's connector treats any negative result as a failed
 # put: it logs "batch_put failed", keeps the request's saved offset (so the chunk is retried and
@@ -64,11 +65,16 @@ def recording_store_class(base: type, writer: RecordWriter, *, guard: bool = Fal
             hook_store_worker(writer.directory)
             hook_receiving_thread(required=load_guard is not None)
             self.audit_load_guard = load_guard() if load_guard is not None else None
+            self.audit_put_binder: StateBinder | None = None  # set once the caches are described
 
         def audit_describe(self, document: dict, kv_caches: dict) -> None:
-            """The consumer's own manifest (`audit.recorder.manifest`): the load guard's regions."""
+            """The process's own manifest (`audit.recorder.manifest`): the load guard's regions, and
+            with the put guard on host caches, what its layer-0 binding reads."""
             if self.audit_load_guard is not None:
                 self.audit_load_guard.describe(document, kv_caches)
+            if guard and not _on_device(kv_caches):
+                self.audit_put_binder = StateBinder(writer.directory)
+                self.audit_put_binder.describe(document)
 
         def setup(self, *args, **kwargs):
             result = super().setup(*args, **kwargs)
@@ -161,8 +167,10 @@ def recording_store_class(base: type, writer: RecordWriter, *, guard: bool = Fal
             except Exception:  # a recorder bug must not cost the producer its puts
                 logger.exception("mooncake-audit: cannot derive block ids; this put is not recorded")
                 return put(keys, ptrs, sizes, *args, **kwargs)
-            withheld = ({index for index, key_blocks in enumerate(blocks) if key_blocks.null_backed}
-                        if guard else set())
+            withheld = ({index: NULL_BLOCK_REASON for index, key_blocks in enumerate(blocks) if key_blocks.null_backed}
+                        if guard else {})
+            if self.audit_put_binder is not None:
+                withheld.update(self._audit_bind_puts(keys, segment_ptrs, segment_sizes, withheld))
             try:
                 results = _put_except(put, withheld, keys, ptrs, sizes, args, kwargs)
             except Exception as error:
@@ -171,6 +179,17 @@ def recording_store_class(base: type, writer: RecordWriter, *, guard: bool = Fal
                 raise
             self._audit_record(keys, blocks, results, segment_sizes, withheld)
             return results
+
+        def _audit_bind_puts(self, keys, segment_ptrs, segment_sizes, withheld) -> dict[int, str]:
+            """The put guard's layer-0 binding (host caches only): keys whose state is not of this
+            request's tokens or of these weights. A binding that fails publishes, logged."""
+            try:
+                return self.audit_put_binder.refusals(
+                    keys, [index for index in range(len(keys)) if index not in withheld],
+                    lambda index, segment: host_bytes(segment_ptrs[index][segment], segment_sizes[index][segment]))
+            except Exception:
+                logger.exception("mooncake-audit guard: cannot bind this put at layer 0; it is published")
+                return {}
 
         def _audit_record(self, keys, blocks: list[KeyBlocks], results, segment_sizes, withheld,
                           error: str | None = None) -> None:
@@ -182,6 +201,13 @@ def recording_store_class(base: type, writer: RecordWriter, *, guard: bool = Fal
 
     RecordingStore.__name__ = RecordingStore.__qualname__ = f"Recording{base.__name__}"
     return RecordingStore
+
+
+def _on_device(kv_caches: dict) -> bool:
+    """Whether any KV-cache tensor lives on a GPU (the put guard then binds nothing: it reads pages
+    through host addresses)."""
+    return any(getattr(tensor, "is_cuda", False) for value in kv_caches.values()
+               for tensor in (value if isinstance(value, (list, tuple)) else (value,)))
 
 
 def _tenant_of(args: tuple, kwargs: dict) -> str:

@@ -100,9 +100,10 @@ def session(tmp_path_factory):
     state = Session(tmp_path_factory.mktemp("vllm-e2e"))
     yield state
     state.close()
-    if state.observed:
+    if state.observed:  # merged: a run of some of the tests keeps the other runs' measurements
+        previous = json.loads(OBSERVED.read_text()).get("runs", {}) if OBSERVED.exists() else {}
         document = {"vllm": _vllm_version(), "generated_by": "tests/e2e (scripts/vllm-e2e.sh)",
-                    "e2e_wall_s": round(time.monotonic() - state.started, 1), "runs": state.observed}
+                    "e2e_wall_s": round(time.monotonic() - state.started, 1), "runs": {**previous, **state.observed}}
         OBSERVED.write_text(json.dumps(document, indent=2, sort_keys=False) + "\n")
 
 

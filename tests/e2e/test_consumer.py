@@ -190,3 +190,59 @@ def test_guarded_consumers_of_a_healthy_store_refuse_nothing_and_keep_every_hit(
     assert guarded["run"].cached(0) == unguarded.cached(0) and any(unguarded.cached(0))
     assert [r for r in load_records(guarded["records"]) if r.get("refused")] == []
     assert diverged(guarded["run"], cold) == {} and diverged(unguarded, cold) == {}
+
+
+def test_a_guarded_consumer_refuses_another_requests_state_under_its_prefix(session, models_dir):
+    """Issue #40 §4: a healthy store where one key's value is replaced by another request's state
+    (finite, non-zero, of these weights). An unguarded consumer loading it diverges from the cold
+    baseline; a guarded one refuses it as PREFIX_MISMATCH (its rows are images of other tokens than
+    its request's own at that boundary), recomputes, and equals the baseline."""
+    from audit.connection import Settings, open_store
+    from audit.workload import Publisher
+    from tests.e2e.test_binding_e2e import _remove_when_unleased
+
+    case = HEALTHY[0]
+    assert ALL_MODELS[case.model].block_size == 16 and case.model == "mamba2-tiny"
+    cold = baseline(session, models_dir, case)["run"]
+    store = producer(session, models_dir, case, healthy=True)
+    prompts = producer_prompts(case)
+    last = len(prompts[0]) // 16 * 16  # each producer prompt publishes its last boundary's state
+    loader = case.cuts.index(last)     # the consumer request that loads one
+    victim_hash = _block_hash(prompts[loader][:last])
+    source_hash = _block_hash(prompts[(loader + 1) % len(prompts)][:last])
+    by_hash = {key.rpartition("@")[2]: key for key in harness.all_keys(store["cluster"])}
+    victim, source = by_hash[victim_hash], by_hash[source_hash]
+    settings = Settings.resolve(config=store["config"], admin=store["cluster"].admin_url, local_hostname="127.0.0.1")
+    reader = open_store(settings)
+    try:
+        foreign = reader.get(source)
+    finally:
+        reader.close()
+    publisher = Publisher(settings)
+    try:
+        _remove_when_unleased(publisher, victim)
+        publisher.put(victim, foreign)
+    finally:
+        publisher.close()
+    name = f"consumer-{case.name}-healthy-producer"
+    unguarded = _engine(session, models_dir, case, "swapped-unguarded", name, [consumer_prompts(case)],
+                        kv_role="kv_consumer")
+    guarded = _engine(session, models_dir, case, "swapped-guarded", name, [consumer_prompts(case)],
+                      load_guard=True, kv_role="kv_consumer", kv_load_failure_policy="recompute")
+    assert loader in diverged(unguarded["run"], cold), "the replaced state did not change the unguarded answer"
+    refusals = [r for r in load_records(guarded["records"]) if r.get("refused")]
+    assert {r["key"] for r in refusals if r["reason"] == "PREFIX_MISMATCH"} == {victim}, refusals
+    assert {r["reason"] for r in refusals} <= {"PREFIX_MISMATCH", "DENIED"}
+    assert diverged(guarded["run"], cold) == {}
+
+
+def _block_hash(tokens: list[int]) -> str:
+    """vLLM's chained block hash (sha256, 16-token blocks) of `tokens`' last full block, as a key's last field."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
+
+    init_none_hash(sha256)
+    parent = None
+    for start in range(0, len(tokens) - len(tokens) % 16, 16):
+        parent = hash_block_tokens(sha256, parent, tokens[start:start + 16])
+    return parent.hex()

@@ -1,0 +1,131 @@
+"""The load guard binds loaded states at layer 0 (issue #40 §4): a state of other weights is refused
+as WEIGHTS_MISMATCH, one of other tokens than the consumer's own request recorded for the key's
+hash as PREFIX_MISMATCH; a healthy one, and one without a record, are kept; nothing is bound until
+the token images are ready. The values lie in host memory as a consumer's KV pages do (the guard
+reads them through their addresses); the real consumer is tests/e2e/test_consumer.py's."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from audit.keys import vllm_key
+from audit.layouts.weights import token_images
+from audit.prefixrecords import prefix_line
+from audit.recorder.binding import StateBinder
+from audit.recorder.deny import DenyList
+from audit.recorder.guard import LoadGuard
+from audit.recorder.records import RecordWriter
+from tests.helpers import tiny_mamba2_checkpoint
+
+MODEL = "m-tiny"
+SSM = (4, 8)
+
+
+def _document(model_dir, columns: int) -> dict:
+    conv_length, ssm_length = 3 * columns * 4, int(np.prod(SSM)) * 4
+    segments = [{"index": i, "block_len": conv_length + ssm_length, "layer_index": i, "offset_in_page": 0}
+                for i in range(2)]
+    return {"model": MODEL, "model_path": str(model_dir), "tp_size": 1, "tp_rank": 0, "groups": [{
+        "group": 0, "segments": segments,
+        "states": [{"name": "conv", "dtype": "float32", "shape": [3, columns], "offset": 0, "length": conv_length},
+                   {"name": "ssm", "dtype": "float32", "shape": list(SSM), "offset": conv_length,
+                    "length": ssm_length}]}]}
+
+
+def _pages(conv_rows: list[np.ndarray], rng) -> list[np.ndarray]:
+    """Per value, two segments (layers 0 and 1): conv rows then a non-zero ssm state."""
+    pages = []
+    for rows in conv_rows:
+        for layer in range(2):
+            conv = rows if layer == 0 else rng.standard_normal(rows.shape)
+            pages.append(np.concatenate([np.asarray(conv, np.float32).ravel(),
+                                         rng.standard_normal(SSM).astype(np.float32).ravel()]).view(np.uint8).copy())
+    return pages
+
+
+def test_the_guard_refuses_other_weights_and_other_prefixes_and_keeps_the_rest(tmp_path):
+    ours, theirs = tmp_path / MODEL, tmp_path / "other" / MODEL
+    tiny_mamba2_checkpoint(ours, seed=0)
+    tiny_mamba2_checkpoint(theirs, seed=1)
+    mine, other = token_images(ours, MODEL, 1, 0), token_images(theirs, MODEL, 1, 0)
+    records = tmp_path / "records"
+    records.mkdir()
+    hashes = [f"{i:064x}" for i in range(5)]
+    keys = [vllm_key(MODEL, h) for h in hashes]
+    (records / "prefixes-host-1-0000.jsonl").write_text("".join(prefix_line(h, 3, t) + "\n" for h, t in zip(
+        hashes, ([1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]))))  # the 5th key has no record
+    rows = [mine.images([1, 2, 3]),      # healthy
+            mine.images([6, 5, 4]),      # another prefix's state under this hash
+            other.images([7, 8, 9]),     # other weights
+            mine.images([10, 11, 12]),   # healthy
+            mine.images([13, 14, 15])]   # no record: judged on the weights alone
+    pages = _pages(rows, np.random.default_rng(5))
+    addrs = [[pages[2 * v].ctypes.data, pages[2 * v + 1].ctypes.data] for v in range(len(keys))]
+    sizes = [[pages[2 * v].nbytes, pages[2 * v + 1].nbytes] for v in range(len(keys))]
+
+    guard = LoadGuard(DenyList(records, RecordWriter(records, stem="denied")), StateBinder(records))
+    guard.describe(_document(ours, mine.columns), {})
+    guard.binder.building.join(60)
+    assert guard.binder.status == "bound", guard.binder.status
+    found = guard.check(keys, addrs, sizes, [0] * len(keys))
+    assert found == {1: "PREFIX_MISMATCH", 2: "WEIGHTS_MISMATCH"}
+    assert guard.check(keys, addrs, sizes, [0, -704, -704, 0, 0]) == {}  # only what loaded is judged
+
+
+def test_until_the_images_are_built_nothing_is_bound(tmp_path):
+    binder = StateBinder(tmp_path)
+    binder.conv = {0: None}  # described, images not ready: not one value judged
+    assert binder.refusals([vllm_key(MODEL, "ab")], [0], lambda i, s: 1 / 0) == {}
+
+
+def test_nothing_is_bound_where_the_weights_are_not_here(tmp_path):
+    binder = StateBinder(tmp_path)
+    binder.describe({"model": MODEL, "model_path": None, "groups": []})
+    assert binder.status == "no layer-0 conv state" and binder.building is None
+    tiny_mamba2_checkpoint(tmp_path / MODEL)
+    (tmp_path / MODEL / "model.safetensors").unlink()
+    binder.describe(_document(tmp_path / MODEL, 8), background=False)  # a config, no weights
+    assert binder.images is None and binder.status.startswith("not bound"), binder.status
+    assert binder.refusals([vllm_key(MODEL, "ab")], [0], lambda i, s: np.zeros(64, np.uint8)) == {}
+
+
+def test_the_put_guard_withholds_what_the_load_guard_would_refuse(tmp_path):
+    """The producer's side (`MOONCAKE_AUDIT_GUARD=1`, caches on the host): the same two states are
+    withheld, with their reasons in the put records; the rest reach the put."""
+    import json
+
+    from audit.recorder.records import RecordWriter as Writer
+    from audit.recorder.wrapper import WITHHELD_RESULT, recording_store_class
+    from tests.recorder.test_recorder import SpyStore
+
+    ours, theirs = tmp_path / MODEL, tmp_path / "other" / MODEL
+    tiny_mamba2_checkpoint(ours, seed=0)
+    tiny_mamba2_checkpoint(theirs, seed=1)
+    mine, other = token_images(ours, MODEL, 1, 0), token_images(theirs, MODEL, 1, 0)
+    records = tmp_path / "records"
+    hashes = [f"{i:064x}" for i in range(4)]
+    keys = [vllm_key(MODEL, h) for h in hashes]
+    records.mkdir()
+    (records / "prefixes-host-1-0000.jsonl").write_text("".join(
+        prefix_line(h, 3, t) + "\n" for h, t in zip(hashes, ([1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]))))
+    pages = _pages([mine.images([1, 2, 3]), mine.images([6, 5, 4]), other.images([7, 8, 9]),
+                    mine.images([10, 11, 12])], np.random.default_rng(6))
+    page = pages[0].nbytes
+    layers = [np.zeros((len(keys) + 1) * page, np.uint8) for _ in range(2)]  # block 0: the null block
+    for value in range(len(keys)):
+        for layer in range(2):
+            layers[layer][(value + 1) * page:(value + 2) * page] = pages[2 * value + layer]
+
+    store = recording_store_class(SpyStore, Writer(records), guard=True)()
+    for layer in layers:
+        store.register_buffer(layer.ctypes.data, layer.nbytes)
+    store.audit_describe(_document(ours, mine.columns), {})
+    store.audit_put_binder.building.join(60)
+    addrs = [[layer.ctypes.data + (value + 1) * page for layer in layers] for value in range(len(keys))]
+    results = store.batch_put_from_multi_buffers(keys, addrs, [[page, page]] * len(keys))
+
+    assert results == [0, WITHHELD_RESULT, WITHHELD_RESULT, 0]
+    assert store.calls[0][0] == [keys[0], keys[3]]
+    lines = [json.loads(line) for path in records.glob("blocks-*.jsonl") for line in path.read_text().splitlines()]
+    assert {line["key"]: line.get("reason") for line in lines} == {
+        keys[0]: None, keys[1]: "PREFIX_MISMATCH", keys[2]: "WEIGHTS_MISMATCH", keys[3]: None}
