@@ -9,7 +9,7 @@ per process, ``loads-{host}-{pid}-{n:04d}.jsonl``, one JSON object a line and a 
      "bytes": int (bytes asked for), "rc": int | null (Mooncake's result: bytes read, or a negative
      error code; null: the get raised)
      [, "tp_rank": int][, "tenant": str][, "refused": true, "reason": "ZERO_STATE" | "NONFINITE" |
-     "NULL_BACKED" | "DENIED"][, "error": str]}
+     "NULL_BACKED" | "WEIGHTS_MISMATCH" | "PREFIX_MISMATCH" | "DENIED"][, "error": str]}
 
 ``refused``: the load guard kept the value from the request. A load *served* its request when it
 read bytes (rc >= 0) and was not refused; one that did neither *failed*. Other fields are context.

@@ -148,7 +148,7 @@ def main() -> None:
                   f"{real['recording']:>10.1f} "
                   f"{real['guard']:>10.1f} | {stub['bare']:>13.1f} {stub['recording']:>10.1f} {stub['guard']:>10.1f} | "
                   f"{wrapper / args.keys:>11.2f} {100 * wrapper / real['bare']:>10.2f}%")
-    lines = [line for path in record_dir.rglob("*.jsonl") for line in path.read_text().splitlines()]
+    lines = [line for path in record_dir.rglob("blocks-*.jsonl") for line in path.read_text().splitlines()]
     print(f"all times in microseconds per put; records: {len(lines)} lines, "
           f"{sum(map(len, lines)) / max(len(lines), 1) + 1:.0f} bytes per key on average")
 

@@ -97,7 +97,7 @@ class StateBinder:
                 self.status = f"not bound: {error}"
                 return
             self.images, self.status = images, "bound"
-            logger.info("mooncake-audit load guard: layer-0 binding ready (%s)", model_path)
+            logger.info("mooncake-audit guard: layer-0 binding ready (%s)", model_path)
 
         if not background:
             build()

@@ -221,15 +221,16 @@ def _tenant_of(args: tuple, kwargs: dict) -> str:
     return str(tenant) if tenant else DEFAULT_TENANT
 
 
-def _put_except(put, withheld: set[int], keys, ptrs, sizes, args, kwargs) -> list[int]:
+def _put_except(put, withheld: dict[int, str], keys, ptrs, sizes, args, kwargs) -> list[int]:
     """`put`'s results for all keys; the `withheld` ones are not passed to it and get WITHHELD_RESULT."""
     if not withheld:
         return put(keys, ptrs, sizes, *args, **kwargs)
     global _withholding_logged
     if not _withholding_logged:
         _withholding_logged = True
-        logger.warning("mooncake-audit guard: withholding %d key(s) read from the null block, first %s; "
-                       "later ones are only recorded", len(withheld), keys[min(withheld)])
+        first = min(withheld)
+        logger.warning("mooncake-audit guard: withholding %d key(s), first %s (%s); later ones are only recorded",
+                       len(withheld), keys[first], withheld[first])
     kept = [index for index in range(len(keys)) if index not in withheld]
     with _group_ids_of(kept, len(keys), args, kwargs):
         return _call_for(kept, put, WITHHELD_RESULT, keys, ptrs, sizes, args, kwargs)

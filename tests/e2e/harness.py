@@ -254,9 +254,10 @@ def scan(config_path: Path, cluster, *extra: str, timeout_s: float = 120.0) -> S
 
 
 def read_records(directory: Path) -> list[dict]:
-    """Every line the recorder plugin wrote (all processes), in file then line order."""
+    """Every line the recorder plugin wrote (all processes), in file then line order; not the prefix
+    records (per chunk hash, not per key: `audit.prefixrecords`)."""
     lines = []
-    for path in sorted(directory.rglob("*.jsonl")):
+    for path in sorted(p for p in directory.rglob("*.jsonl") if not p.name.startswith("prefixes-")):
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if line.strip():
                 record = json.loads(line)
