@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+import json
 import logging
 import re
 import threading
@@ -36,6 +37,12 @@ REFRESH_S = 0.02  # the prefix records are read again at most this often (only w
 CAPACITY = 1 << 16  # prefix records kept (about 20 MB): a request's hashes are recorded just before its loads
 WEIGHTS_MISMATCH = "WEIGHTS_MISMATCH"
 PREFIX_MISMATCH = "PREFIX_MISMATCH"
+
+
+def cache_tensors(kv_caches: dict):
+    """Every tensor of vLLM's `kv_caches` (a layer's value is a tensor or a list of them)."""
+    for value in kv_caches.values():
+        yield from value if isinstance(value, (list, tuple)) else (value,)
 
 
 @functools.lru_cache(maxsize=64)
@@ -159,8 +166,6 @@ class StateBinder:
     def _refresh(self) -> None:
         """The prefix records written since the last read (at most every REFRESH_S: a key without a
         record is judged on its weights alone); past CAPACITY hashes, the oldest half goes."""
-        import json
-
         if time.monotonic() - self._refreshed < REFRESH_S:
             return
         self._refreshed = time.monotonic()

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from audit.checks.loaded import LoadedRegion, combine, device_region_flags, refusal
-from audit.recorder.binding import StateBinder, host_bytes
+from audit.recorder.binding import StateBinder, cache_tensors, host_bytes
 from audit.recorder.deny import DenyList
 
 _GROUP = re.compile(r"@group:(\d+)@")
@@ -69,11 +69,10 @@ class LoadGuard:
         if self.binder is not None:
             self.binder.describe(document)
         storages = {}
-        for value in kv_caches.values():
-            for tensor in value if isinstance(value, (list, tuple)) else (value,):
-                if getattr(tensor, "is_cuda", False) if in_kernel is None else in_kernel:
-                    storage = tensor.untyped_storage()
-                    storages[storage.data_ptr()] = storage
+        for tensor in cache_tensors(kv_caches):
+            if getattr(tensor, "is_cuda", False) if in_kernel is None else in_kernel:
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage
         self._storages = sorted((base, storage.nbytes(), _byte_view(storage)) for base, storage in storages.items())
 
     def known(self, keys: Sequence[str]) -> dict[int, str]:

@@ -19,7 +19,7 @@ import socket
 import time
 from contextlib import contextmanager
 
-from audit.recorder.binding import StateBinder, host_bytes
+from audit.recorder.binding import StateBinder, cache_tensors, host_bytes
 from audit.recorder.blocks import KeyBlocks, RegisteredRegions
 from audit.recorder.loads import current_request, hook_receiving_thread, note_refusal
 from audit.recorder.manifest import hook_store_worker
@@ -206,8 +206,7 @@ def recording_store_class(base: type, writer: RecordWriter, *, guard: bool = Fal
 def _on_device(kv_caches: dict) -> bool:
     """Whether any KV-cache tensor lives on a GPU (the put guard then binds nothing: it reads pages
     through host addresses)."""
-    return any(getattr(tensor, "is_cuda", False) for value in kv_caches.values()
-               for tensor in (value if isinstance(value, (list, tuple)) else (value,)))
+    return any(getattr(tensor, "is_cuda", False) for tensor in cache_tensors(kv_caches))
 
 
 def _tenant_of(args: tuple, kwargs: dict) -> str:

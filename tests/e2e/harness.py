@@ -253,6 +253,15 @@ def scan(config_path: Path, cluster, *extra: str, timeout_s: float = 120.0) -> S
     return Scan(process.returncode, report, process.stderr, argv)
 
 
+def remove_when_unleased(publisher, key: str, timeout_s: float = 60) -> None:
+    """Remove `key` once the leases of the reads before it (a test's, the audit's) have expired:
+    Mooncake refuses to remove a leased key (-706)."""
+    deadline = time.monotonic() + timeout_s
+    while (code := publisher.remove(key)) == -706 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert code == 0, (key, code)
+
+
 def read_records(directory: Path) -> list[dict]:
     """Every line the recorder plugin wrote (all processes), in file then line order; not the prefix
     records (per chunk hash, not per key: `audit.prefixrecords`)."""

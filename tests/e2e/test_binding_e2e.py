@@ -264,7 +264,7 @@ def test_another_requests_state_under_a_key_is_prefix_mismatch(session, models_d
                                            local_hostname="127.0.0.1"))
     try:
         for key in (victim, source):
-            _remove_when_unleased(publisher, key)
+            harness.remove_when_unleased(publisher, key)
         publisher.put(victim, values[source])
     finally:
         publisher.close()
@@ -276,12 +276,3 @@ def test_another_requests_state_under_a_key_is_prefix_mismatch(session, models_d
     assert set(flagged) == {victim} and flagged[victim]["verdicts"] == ["PREFIX_MISMATCH"], flagged
     assert scan.keys_with("PREFIX_MISMATCH") == {victim} and scan.rc == 1
 
-
-def _remove_when_unleased(publisher, key: str, timeout_s: float = 60) -> None:
-    """Mooncake refuses to remove a key a read still leases (-706): wait the lease out."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while (code := publisher.remove(key)) == -706 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert code == 0, (key, code)

@@ -199,7 +199,6 @@ def test_a_guarded_consumer_refuses_another_requests_state_under_its_prefix(sess
     its request's own at that boundary), recomputes, and equals the baseline."""
     from audit.connection import Settings, open_store
     from audit.workload import Publisher
-    from tests.e2e.test_binding_e2e import _remove_when_unleased
 
     case = HEALTHY[0]
     assert ALL_MODELS[case.model].block_size == 16 and case.model == "mamba2-tiny"
@@ -220,7 +219,7 @@ def test_a_guarded_consumer_refuses_another_requests_state_under_its_prefix(sess
         reader.close()
     publisher = Publisher(settings)
     try:
-        _remove_when_unleased(publisher, victim)
+        harness.remove_when_unleased(publisher, victim)
         publisher.put(victim, foreign)
     finally:
         publisher.close()

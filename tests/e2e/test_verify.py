@@ -175,15 +175,6 @@ def test_other_weights_under_the_same_name_flag_every_twin(state, cluster_a):
     assert _divergent(document) == seed2_keys
 
 
-def _remove_when_unleased(publisher, key: str, timeout_s: float = 60) -> None:
-    """Remove `key` once the leases of the reads before (ours, verify's) have expired: Mooncake
-    refuses to remove a leased key (-706)."""
-    deadline = time.monotonic() + timeout_s
-    while (code := publisher.remove(key)) == -706 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert code == 0, (key, code)
-
-
 def test_a_key_holding_another_keys_bytes_is_flagged_exactly(state, cluster_a):
     from audit.connection import Settings, open_store
     from audit.workload import Publisher
@@ -198,11 +189,11 @@ def test_a_key_holding_another_keys_bytes_is_flagged_exactly(state, cluster_a):
         store.close()
     publisher = Publisher(settings)
     try:
-        _remove_when_unleased(publisher, victim)
+        harness.remove_when_unleased(publisher, victim)
         publisher.put(victim, donor_bytes)
         code, document, _ = _verify(config, cluster, state.models, "--match", "^" + MODEL + "@")
     finally:  # cluster A's production is every later test's too (the busy host compares with the idle run)
-        _remove_when_unleased(publisher, victim)
+        harness.remove_when_unleased(publisher, victim)
         publisher.put(victim, victim_bytes)
         publisher.close()
     state.observed["swapped"] = {"flagged": sorted(_divergent(document)), "victim": victim}

@@ -18,7 +18,7 @@ from audit.connection import open_store
 from audit.readers.buckets import index_directories, stored_key
 from tests.conftest import settings_for
 from tests.helpers import by_key, run_cli, scan_json
-from tests.readers.test_tiered import _put
+from tests.readers.test_tiered import put_on_disk
 
 VALUE_BYTES = 256 << 10
 KEYS = 8
@@ -36,15 +36,9 @@ def remove(store, key: str, patience_s: float = 15.0) -> None:
 
 def fill(cluster: LocalCluster, prefix: str, zero: set[int] = frozenset()) -> dict[str, bytes]:
     """`KEYS` values put on the offloading holder (those at `zero` all zero), once all are on disk too."""
-    store = open_store(settings_for(cluster))
     values = {f"{prefix}/{index}": bytes(VALUE_BYTES) if index in zero else os.urandom(VALUE_BYTES)
               for index in range(KEYS)}
-    try:
-        for key, value in values.items():
-            _put(store, key, value, cluster.running_holders[0].segment)
-    finally:
-        store.close()
-    cluster.wait_held(values, "local_disk")
+    put_on_disk(cluster, values)
     assert cluster.tiers(values) == {key: {"memory", "local_disk"} for key in values}
     return values
 

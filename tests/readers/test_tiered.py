@@ -56,6 +56,17 @@ def _put(store, key: str, value: bytes, segment: str) -> None:
     assert rc == 0, (key, rc)
 
 
+def put_on_disk(cluster: LocalCluster, values: dict[str, bytes]) -> None:
+    """`values` put on the offloading holder; returns once each is on its disk too."""
+    store = open_store(settings_for(cluster))
+    try:
+        for key, value in values.items():
+            _put(store, key, value, cluster.running_holders[0].segment)
+    finally:
+        store.close()
+    cluster.wait_held(values, "local_disk")
+
+
 class TieredStore:
     """The cluster, every value put, by key, and which keys are zero-filled."""
 
@@ -220,14 +231,8 @@ def test_the_disk_reader_finds_each_value_inside_a_bucket_of_several(tmp_path):
     disk in 3 of 5 tries."""
     with LocalCluster(holders=1, segment_mb=SEGMENT_MB, offload=True, bucket_keys=BUCKET_KEYS,
                       log_dir=tmp_path) as cluster:
-        store = open_store(settings_for(cluster))
         values = {f"bucketed/{index}": os.urandom(VALUE_BYTES - 64 * index) for index in range(2 * BUCKET_KEYS)}
-        try:
-            for key, value in values.items():
-                _put(store, key, value, cluster.running_holders[0].segment)
-        finally:
-            store.close()
-        cluster.wait_held(values, "local_disk")
+        put_on_disk(cluster, values)
         admin = AdminClient(cluster.admin_url)
         offload_dir = cluster.running_holders[0].offload_dir
         reader = DiskReader(admin, [offload_dir], 16 << 20)
