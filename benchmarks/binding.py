@@ -1,7 +1,8 @@
 """Layer-0 binding's cost (issue #40): whole `scan` processes of one Mamba2 store, given the model
 directory with its checkpoint (every key bound; its probe kept in the cache from an earlier run, as
-for a scan from cron, or built afresh) against the same config.json without it (no binding),
-interleaved, in one run.
+for a scan from cron, or built afresh; and with the producer's prefix records, `--block-tables`, so
+every key's decoded tokens are also checked against its hash's digest: PREFIX_MISMATCH) against the
+same config.json without it (no binding), interleaved, in one run.
 
     python -m benchmarks.binding                    # 160 keys of 9.7 MB (1.55 GB), 5 pairs
     python -m benchmarks.binding --keys 8 --runs 1  # a smoke run
@@ -13,7 +14,7 @@ GPU publishes for it at TP 1 (conv and ssm state bfloat16, 9.7 MB): layer 0's co
 images of three random tokens rounded to bfloat16, every other byte a plausible state. One
 `audit.cluster.LocalCluster` holds them. Both commands are `python -m cli scan --model-config DIR
 --dtype bfloat16 --mamba-ssm-cache-dtype bfloat16 --format json`, timed from spawn to reaped exit
-(`benchmarks.paired.run`), in turn A B C, C B A, ...; every run's report is checked (no finding, and
+(`benchmarks.paired.run`), in turn A B C D, D C B A, ...; every run's report is checked (no finding, and
 the summary's binding says the model was bound, or is absent).
 """
 
@@ -60,11 +61,13 @@ def model_dirs(root: Path) -> tuple[Path, Path]:
     return bound, unbound
 
 
-def publish(cluster, bound: Path, keys: int) -> int:
-    """`keys` values of the model's layout, layer 0's conv rows the bfloat16 images of random tokens."""
+def publish(cluster, bound: Path, keys: int, records: Path) -> int:
+    """`keys` values of the model's layout, layer 0's conv rows the bfloat16 images of random tokens;
+    each key's hash and its tokens' digest written to `records` as a producer's prefix records."""
     from audit.connection import Settings
     from audit.judge.plan import load_layouts
     from audit.layouts.weights import token_images
+    from audit.prefixrecords import prefix_line
     from audit.producers.vllm import vllm_key
     from audit.workload import Publisher
 
@@ -74,16 +77,21 @@ def publish(cluster, bound: Path, keys: int) -> int:
     rng = np.random.default_rng(41)
     publisher = Publisher(Settings(master=cluster.master_address, metadata=cluster.metadata_url,
                                    admin=cluster.admin_url, local_hostname="127.0.0.1"))
+    lines = []
     try:
         for index in range(keys):
             value = state_like(rng, layout.size)
-            rows = images.images(rng.integers(0, CONFIG["vocab_size"], 3)).astype(np.float32)
+            tokens = rng.integers(0, CONFIG["vocab_size"], 3)
+            lines.append(prefix_line(f"{index:064x}", 3, tokens))
+            rows = images.images(tokens).astype(np.float32)
             bits = rows.view(np.uint32)
             value[conv.offset:conv.offset + conv.length] = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(
                 np.uint16).view(np.uint8).reshape(-1)
             publisher.put(vllm_key(NAME, f"{index:064x}"), value.tobytes())
     finally:
         publisher.close()
+    records.mkdir(parents=True, exist_ok=True)
+    (records / "prefixes-bench-0-0000.jsonl").write_text("\n".join(lines) + "\n")
     return layout.size
 
 
@@ -97,25 +105,31 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-binding-") as scratch:
         bound, unbound = model_dirs(Path(scratch))
         with LocalCluster(holders=1, segment_mb=max(256, args.keys * 10 + 64)) as cluster:
-            size = publish(cluster, bound, args.keys)
+            records = Path(scratch) / "records"
+            size = publish(cluster, bound, args.keys, records)
             env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
-            def command(model_dir: Path, out: str) -> list[str]:
+            def command(model_dir: Path, out: str, *extra: str) -> list[str]:
                 return [sys.executable, "-m", "cli", "scan", "--master", cluster.master_address, "--metadata",
                         cluster.metadata_url, "--admin", cluster.admin_url, "--local-hostname", "127.0.0.1",
                         "--model-config", str(model_dir), *FLAGS, "--format", "json", "--no-progress",
-                        "--output", str(Path(scratch) / out)]
+                        "--output", str(Path(scratch) / out), *extra]
 
             cache = Path(scratch) / "cache"
-            measured: dict[str, list[dict]] = {"binding": [], "binding, probe not kept": [], "no binding": []}
+            arms = {"binding": (bound, ()), "binding and prefix records": (bound, ("--block-tables", str(records))),
+                    "binding, probe not kept": (bound, ()), "no binding": (unbound, ())}
+            measured: dict[str, list[dict]] = {label: [] for label in arms}
             for round_ in range(args.runs + 1):  # the first round warms caches, unmeasured
-                order = [("binding", bound), ("binding, probe not kept", bound), ("no binding", unbound)]
-                for label, model_dir in (order if round_ % 2 else order[::-1]):
-                    kept = cache / ("kept" if label == "binding" else f"fresh-{round_}")
-                    result = run(command(model_dir, "report.json"), {**env, "MOONCAKE_AUDIT_CACHE": str(kept)}, ROOT)
+                order = list(arms.items())
+                for label, (model_dir, extra) in (order if round_ % 2 else order[::-1]):
+                    kept = cache / (f"fresh-{round_}" if label == "binding, probe not kept" else "kept")
+                    result = run(command(model_dir, "report.json", *extra), {**env, "MOONCAKE_AUDIT_CACHE": str(kept)},
+                                 ROOT)
                     summary = json.loads((Path(scratch) / "report.json").read_text())["summary"]
                     assert summary["keys_scanned"] == args.keys and summary["findings"] == 0, summary
                     assert (summary.get("binding", {}).get("bound") == [NAME]) == (label != "no binding"), summary
+                    if extra:  # every key's hash has its record, and every state held its tokens
+                        assert summary["binding"]["prefix_records"]["hashes"] == args.keys, summary
                     if round_:
                         measured[label].append(result)
     lines = []
@@ -125,7 +139,7 @@ def main() -> int:
                       f"{statistics.median(r['cpu'] for r in runs):.2f}", f"{statistics.median(r['rss_mib'] for r in runs):.0f}"])
     print(f"{args.keys} keys x {size:,} B ({args.keys * size / 1e9:.2f} GB), {args.runs} rounds; {machine()}")
     print(text_table(["scan", "wall s (median)", "min-max", "cpu s", "peak RSS MiB"], lines))
-    for label in ("binding", "binding, probe not kept"):
+    for label in ("binding", "binding and prefix records", "binding, probe not kept"):
         ratios = [a["wall"] / b["wall"] for a, b in zip(measured[label], measured["no binding"])]
         print(f"{label} / no binding, round by round: median {statistics.median(ratios):.3f} "
               f"(min {min(ratios):.3f}, max {max(ratios):.3f})")

@@ -10,13 +10,21 @@ equally often, on one embedded cluster (TCP loopback):
 
 - ``bare``, ``bare again`` (an A/A control: the noise floor), ``recording`` (load records only),
   ``guard`` (records, deny list, in-place check by the consumer's manifest: zero test of each state,
-  NaN/Inf screen of each float32 state) and ``guard, no manifest`` (zero test per segment only);
+  NaN/Inf screen of each float32 state), ``guard, no manifest`` (zero test per segment only) and
+  ``guard, bound`` (the guard, and layer-0 binding, issue #40: each value's conv rows decoded to
+  tokens under the consumer's own weights and compared with its chunk hash's prefix record);
 - the guard's own check with the store stubbed, per key, and as a share of a bare load.
+
+For binding, the model is a Mamba2 whose layer-0 conv state is this page's (2 rows of 1,024 float32:
+hidden 448, d_conv 3, one group of d_state 64) with a 50,288-token vocabulary and random weights;
+every block's layer-0 conv rows are the images of two tokens, and every key's hash has its prefix
+record, so every value is bound and kept.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -29,27 +37,56 @@ import numpy as np  # noqa: E402
 
 from audit.cluster import LocalCluster  # noqa: E402
 from audit.recorder.deny import DenyList  # noqa: E402
+from audit.layouts.weights import token_images  # noqa: E402
+from audit.recorder.binding import StateBinder  # noqa: E402
 from audit.recorder.guard import LoadGuard  # noqa: E402
 from audit.recorder.records import RecordWriter  # noqa: E402
 from audit.recorder.wrapper import recording_store_class  # noqa: E402
 
 LAYERS, PAGE = 16, 64 << 10
-STATES = [("conv", 0, 8 << 10), ("ssm", 8 << 10, 48 << 10)]  # float32; the rest of the page is padding
+STATES = [("conv", 0, 8 << 10, (2, 1024)), ("ssm", 8 << 10, 48 << 10, (8, 64, 24))]  # float32; then padding
 NUM_BLOCKS = 9
+MODEL = "mamba2-bench"
+CONFIG = {"model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"], "hidden_size": 448, "expand": 2,
+          "n_groups": 1, "state_size": 64, "num_heads": 14, "head_dim": 64, "conv_kernel": 3,
+          "num_hidden_layers": LAYERS, "vocab_size": 50288, "layer_norm_epsilon": 1e-5, "torch_dtype": "float32"}
 
 
-def manifest() -> dict:
-    return {"groups": [{"group": 1, "kind": "mamba2",
-                        "states": [{"name": n, "offset": o, "length": length, "dtype": "float32"}
-                                   for n, o, length in STATES],
-                        "segments": [{"block_len": PAGE, "layer": f"model.layers.{i}", "offset_in_page": 0}
-                                     for i in range(LAYERS)]}]}
+def manifest(model_path: Path | None = None) -> dict:
+    document = {"groups": [{"group": 1, "kind": "mamba2",
+                            "states": [{"name": n, "offset": o, "length": length, "dtype": "float32", "shape": list(shape)}
+                                       for n, o, length, shape in STATES],
+                            "segments": [{"index": i, "block_len": PAGE, "layer": f"model.layers.{i}", "layer_index": i,
+                                          "offset_in_page": 0} for i in range(LAYERS)]}]}
+    if model_path is not None:
+        document.update(model=MODEL, model_path=str(model_path), tp_size=1, tp_rank=0)
+    return document
+
+
+def write_model(directory: Path) -> Path:
+    """The Mamba2 checkpoint whose layer-0 images the bound guard checks against (random weights)."""
+    from tests.helpers import write_safetensors
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(CONFIG))
+    rng = np.random.default_rng(40)
+    hidden, rows = CONFIG["hidden_size"], 896 + 1024 + CONFIG["num_heads"]  # z, xBC, dt
+    write_safetensors(directory / "model.safetensors", {
+        "backbone.embeddings.weight": rng.standard_normal((CONFIG["vocab_size"], hidden), dtype=np.float32) * 0.02,
+        "backbone.layers.0.norm.weight": 1 + 0.1 * rng.standard_normal(hidden, dtype=np.float32),
+        "backbone.layers.0.mixer.in_proj.weight": rng.standard_normal((rows, hidden), dtype=np.float32) * 0.03})
+    return directory
+
+
+def block_tokens(block: int) -> list[int]:
+    """The two tokens whose images a block's layer-0 conv rows hold."""
+    return [7 * block + 11, 13 * block + 101]
 
 
 class KVMemory:
     """LAYERS registered buffers of NUM_BLOCKS pages; block 0 unused (vLLM's null block)."""
 
-    def __init__(self, fill: bool):
+    def __init__(self, fill: bool, images=None):
         rng = np.random.default_rng(1)
         self.buffers = []
         for _ in range(LAYERS):
@@ -58,6 +95,10 @@ class KVMemory:
                 states = rng.normal(size=(NUM_BLOCKS, (56 << 10) // 4)).astype(np.float32)
                 pages[:, :56 << 10] = states.view(np.uint8)
             self.buffers.append(pages)
+        if fill and images is not None:  # layer 0's conv rows: the images of each block's tokens
+            for block in range(NUM_BLOCKS):
+                rows = images.images(block_tokens(block)).astype(np.float32)
+                self.buffers[0][block, :8 << 10] = rows.view(np.uint8).reshape(-1)
 
     def register(self, store) -> None:
         for buffer in self.buffers:
@@ -73,18 +114,35 @@ def keys_of(count: int, tag: str = "") -> list[str]:
     return [f"bench{tag}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:1@{i:032x}" for i in range(count)]
 
 
+def write_prefix_records(directory: Path, keys: list[str]) -> None:
+    """Each key's hash -> the digest of its block's tokens, as the consumer's scheduler records them
+    (key i is loaded into block 1 + i % (NUM_BLOCKS - 1), `KVMemory.batch`)."""
+    from audit.prefixrecords import prefix_line
+
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = [prefix_line(key.rpartition("@")[2], 2, block_tokens(1 + i % (NUM_BLOCKS - 1))) for i, key in enumerate(keys)]
+    (directory / "prefixes-bench-0-0000.jsonl").write_text("\n".join(lines) + "\n")
+
+
 def median_us(samples: list[float]) -> float:
     return statistics.median(samples) * 1e6
 
 
-def guard(record_dir: Path, name: str, described: bool) -> LoadGuard:
-    made = LoadGuard(DenyList(record_dir / name, RecordWriter(record_dir / name, stem="denied")))
+def guard(record_dir: Path, name: str, described: bool, model_path: Path | None = None) -> LoadGuard:
+    """A load guard; with `model_path`, binding at layer 0 under that checkpoint (its images built now)."""
+    binder = StateBinder(record_dir / name) if model_path is not None else None
+    made = LoadGuard(DenyList(record_dir / name, RecordWriter(record_dir / name, stem="denied")), binder)
     if described:
-        made.describe(manifest(), {})
+        made.describe(manifest(model_path), {})
+    if binder is not None:
+        binder.building.join()
+        if binder.status != "bound":
+            raise SystemExit(f"binding: {binder.status}")
     return made
 
 
-def time_cluster(cluster: LocalCluster, keys_per_load: int, loads: int, record_dir: Path) -> dict[str, float]:
+def time_cluster(cluster: LocalCluster, keys_per_load: int, loads: int, record_dir: Path,
+                 model: Path) -> dict[str, float]:
     from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
     def connect(store_class):
@@ -93,9 +151,10 @@ def time_cluster(cluster: LocalCluster, keys_per_load: int, loads: int, record_d
             raise SystemExit("cannot connect to the embedded cluster")
         return store
 
-    producer, source = connect(MooncakeDistributedStore), KVMemory(fill=True)
+    producer, source = connect(MooncakeDistributedStore), KVMemory(fill=True, images=token_images(model, MODEL, 1, 0))
     source.register(producer)
     keys = keys_of(keys_per_load)
+    write_prefix_records(record_dir / "guard-bound", keys)
     if any(producer.batch_put_from_multi_buffers(keys, *source.batch(keys_per_load), ReplicateConfig())):
         raise SystemExit("put failed")
 
@@ -106,14 +165,15 @@ def time_cluster(cluster: LocalCluster, keys_per_load: int, loads: int, record_d
     classes = {"bare": MooncakeDistributedStore, "bare again": MooncakeDistributedStore,
                "recording": recording("recording"),
                "guard": recording("guard", lambda: guard(record_dir, "guard", True)),
-               "guard, no manifest": recording("guard-plain", lambda: guard(record_dir, "guard-plain", False))}
+               "guard, no manifest": recording("guard-plain", lambda: guard(record_dir, "guard-plain", False)),
+               "guard, bound": recording("guard-bound", lambda: guard(record_dir, "guard-bound", True, model))}
     stores, memory = {}, {}
     for name, store_class in classes.items():
         stores[name] = connect(store_class)
         memory[name] = KVMemory(fill=False)
         memory[name].register(stores[name])
-        if name == "guard":
-            stores[name].audit_describe(manifest(), {})
+        if name in ("guard", "guard, bound"):
+            stores[name].audit_describe(manifest(model if name == "guard, bound" else None), {})
     samples: dict[str, list[float]] = {name: [] for name in stores}
     names = list(stores)
     for round_index in range(loads + 1):
@@ -133,12 +193,17 @@ def time_cluster(cluster: LocalCluster, keys_per_load: int, loads: int, record_d
     return {name: median_us(values) for name, values in samples.items()}
 
 
-def time_check(keys_per_load: int, loads: int, record_dir: Path) -> dict[str, float]:
+def time_check(keys_per_load: int, loads: int, record_dir: Path, model: Path) -> dict[str, float]:
     """The guard's check alone, on values already in memory (what it adds to a load, less the record)."""
-    memory = KVMemory(fill=True)
+    memory = KVMemory(fill=True, images=token_images(model, MODEL, 1, 0))
     addrs, sizes = memory.batch(keys_per_load)
     keys, results = keys_of(keys_per_load), [LAYERS * PAGE] * keys_per_load
-    guards = {"check": guard(record_dir, "check", True), "check, no manifest": guard(record_dir, "check-plain", False)}
+    write_prefix_records(record_dir / "check-bound", keys)
+    guards = {"check": guard(record_dir, "check", True), "check, no manifest": guard(record_dir, "check-plain", False),
+              "check, bound": guard(record_dir, "check-bound", True, model)}
+    swapped = keys[1:] + keys[:1]  # every hash's record names another block's tokens: all refused
+    if set(guards["check, bound"].check(swapped, addrs, sizes, results).values()) != {"PREFIX_MISMATCH"}:
+        raise SystemExit("binding: a state of other tokens than its record's was not refused")
     samples: dict[str, list[float]] = {name: [] for name in guards}
     for _ in range(loads):
         for name, made in guards.items():
@@ -155,9 +220,11 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=8, help="keys (1 MiB values) per load (default 8)")
     args = parser.parse_args()
     record_dir = Path(tempfile.mkdtemp(prefix="load-guard-bench-"))
+    os.environ.setdefault("MOONCAKE_AUDIT_CACHE", str(record_dir / "cache"))
+    model = write_model(record_dir / MODEL)
     with LocalCluster(holders=1, segment_mb=512) as cluster:
-        real = time_cluster(cluster, args.keys, args.loads, record_dir)
-    check = time_check(args.keys, args.loads * 10, record_dir)
+        real = time_cluster(cluster, args.keys, args.loads, record_dir, model)
+    check = time_check(args.keys, args.loads * 10, record_dir, model)
     print(f"{args.keys} keys of {LAYERS * PAGE >> 20} MiB per load ({LAYERS} pages of {PAGE >> 10} KiB); medians of "
           f"{args.loads} loads on the cluster, {args.loads * 10} checks in memory; microseconds per load")
     for name, value in real.items():

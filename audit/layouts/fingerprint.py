@@ -31,6 +31,8 @@ from pathlib import Path
 
 import xxhash
 
+from audit.switches import switch
+
 from .checkpoint import INDEX, _header
 from .images import cache_dir
 from .model import LayoutError
@@ -48,12 +50,7 @@ _CACHE_VERSION = 1
 
 def fingerprint_enabled(env: Mapping[str, str] = os.environ) -> bool:
     """On unless the operator says ``off`` (a malformed value is a ValueError, never silently off)."""
-    value = env.get(FINGERPRINT_ENV, "").strip().lower()
-    if value in ("", "1", "on", "true", "yes"):
-        return True
-    if value in ("0", "off", "false", "no"):
-        return False
-    raise ValueError(f"{FINGERPRINT_ENV}={env[FINGERPRINT_ENV]!r}: expected on or off")
+    return switch(env, FINGERPRINT_ENV, default=True)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from audit.switches import switch
+
 RECORD_ENV = "MOONCAKE_AUDIT_RECORD"
 GUARD_ENV = "MOONCAKE_AUDIT_GUARD"
 LOAD_GUARD_ENV = "MOONCAKE_AUDIT_LOAD_GUARD"
@@ -55,8 +57,8 @@ class RecorderSettings:
         A malformed value is a ValueError: a guard asked for must not be silently off.
         """
         record = env.get(RECORD_ENV, "").strip()
-        guard = _flag(env, GUARD_ENV)
-        load_guard = _flag(env, LOAD_GUARD_ENV)
+        guard = switch(env, GUARD_ENV, default=False)
+        load_guard = switch(env, LOAD_GUARD_ENV, default=False)
         if not record and not guard and not load_guard:
             return None
         put_records = tuple(Path(part) for part in env.get(LOAD_GUARD_RECORDS_ENV, "").split(":") if part.strip())
@@ -69,15 +71,6 @@ def default_record_directory(env: Mapping[str, str]) -> Path:
     """Where the guard records when no directory is given: $XDG_STATE_HOME/mooncake-audit/records."""
     state = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(state) / "mooncake-audit" / "records"
-
-
-def _flag(env: Mapping[str, str], name: str) -> bool:
-    value = env.get(name, "").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{name}={env[name]!r}: expected 1 or 0")
 
 
 def _count(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
@@ -118,8 +111,8 @@ def install(settings: RecorderSettings) -> type | None:
 
     load_guard = None
     if settings.load_guard:
-        from audit.recorder.deny import DENIED_STEM, DenyList
         from audit.recorder.binding import StateBinder
+        from audit.recorder.deny import DENIED_STEM, DenyList
         from audit.recorder.guard import LoadGuard
 
         deny = writer(DENIED_STEM)

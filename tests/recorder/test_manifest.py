@@ -234,7 +234,7 @@ def test_the_manifest_carries_the_checkpoints_fingerprint_computed_without_holdi
 
 @pytest.mark.parametrize("setting, model, note", [
     ("off", "checkpoint", "MOONCAKE_AUDIT_FINGERPRINT=off"),
-    ("maybe", "checkpoint", "MOONCAKE_AUDIT_FINGERPRINT='maybe': expected on or off (not fingerprinted)"),
+    ("maybe", "checkpoint", "MOONCAKE_AUDIT_FINGERPRINT='maybe': expected on or off (1 or 0) (not fingerprinted)"),
     ("on", "org/not-downloaded-here", "the model vLLM loaded is not a directory on this host (not fingerprinted)"),
 ])
 def test_a_fingerprint_turned_off_or_out_of_reach_is_said_and_never_started(fake_vllm_installed, monkeypatch,
