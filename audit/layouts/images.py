@@ -4,7 +4,8 @@ At layer 0 a mixer's input is a function of the token alone, and a conv state ho
 of the last ``d_conv - 1`` tokens before its boundary (FACTS §11): each of its rows is the image of
 one token. A family's module says which tensors make that image and which columns a TP rank holds
 (`Family.token_images`); this module holds the arithmetic they share (`audit.layouts.weights` finds a
-model directory's rule). The image is ``(rmsnorm(embed[t] * scale) @ weight.T)`` over the rank's columns."""
+model directory's rule). The image is ``n @ weight.T`` over the rank's columns, ``n = rmsnorm(embed[t] *
+scale)``; a gated rule (ShortConv's ``B * x``) multiplies it by ``n @ gate.T`` column by column."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ class TokenImages:
     eps: float
     weight: np.ndarray              # (columns, hidden): the rank's rows of the input projection
     embedding_scale: float = 1.0
+    gate: np.ndarray | None = None  # (columns, hidden): a second projection the image is multiplied by
     source: dict = field(default_factory=dict)  # which tensors, for the report
     checkpoint: str = ""            # the checkpoint's identity (`Checkpoint.identity`): the probe's cache key
 
@@ -61,7 +63,9 @@ class TokenImages:
 
     def images(self, tokens) -> np.ndarray:
         """Every column of the tokens' images, computed from the checkpoint."""
-        return self._normed(self.embeddings.rows(np.asarray(tokens))) @ self.weight.T
+        normed = self._normed(self.embeddings.rows(np.asarray(tokens)))
+        projected = normed @ self.weight.T
+        return projected if self.gate is None else projected * (normed @ self.gate.T)
 
     def checked_images(self, tokens) -> np.ndarray:
         """The tokens' images on `check_columns`: what a row is compared with, read from the table."""
@@ -147,20 +151,30 @@ class TokenImages:
     def _cache_path(self) -> Path | None:
         if not self.checkpoint:
             return None
+        # the projections' checked rows too: a scaling read from config.json (not a checkpoint file) is in them
+        rows = hashlib.sha256(np.ascontiguousarray(self.weight[self.check_columns]).tobytes())
+        if self.gate is not None:
+            rows.update(np.ascontiguousarray(self.gate[self.check_columns]).tobytes())
         key = json.dumps([self.checkpoint, self.tp_size, self.tp_rank, self.columns, self.check_columns.tolist(),
-                          self.eps, self.embedding_scale, self.source], sort_keys=True)
+                          self.eps, self.embedding_scale, self.source, rows.hexdigest()], sort_keys=True)
         return cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.npy"
 
     def _build_table(self) -> np.ndarray:
-        """The norm is a scalar per token, so the projection runs on the raw embeddings, a block of
-        the vocabulary at a time, and each row is divided by its token's RMS after."""
-        weight = self.weight[self.check_columns] * (self.norm_weight if self.norm_weight is not None else 1)
+        """The norm is a scalar per token, so the projections run on the raw embeddings, a block of
+        the vocabulary at a time, and each row is divided by its token's RMS after (by its mean
+        square for a gated image: the scalar is in both factors)."""
+        norm = self.norm_weight if self.norm_weight is not None else 1
+        weight = self.weight[self.check_columns] * norm
+        gate = None if self.gate is None else self.gate[self.check_columns] * norm
         table = np.empty((self.vocab_size, len(self.check_columns)), dtype=np.float32)
         scale = np.float32(self.embedding_scale)
         for first, block in self.embeddings.blocks(TABLE_BLOCK_ROWS):
             projected = block @ weight.T * scale
+            if gate is not None:
+                projected *= block @ gate.T * scale
             if self.norm_weight is not None:
                 mean_square = np.einsum("ij,ij->i", block, block) / block.shape[1] * scale * scale
-                projected /= np.sqrt(mean_square + np.float32(self.eps))[:, None]
+                norm_square = mean_square + np.float32(self.eps)
+                projected /= (np.sqrt(norm_square) if gate is None else norm_square)[:, None]
             table[first:first + len(block)] = projected
         return table

@@ -85,7 +85,18 @@ LAYOUT_30_MODELS: dict[str, TinyModel] = {m.name: m for m in [
               weight_renames=(("attention_layer_norm", "input_layernorm"),
                               ("feedforward_layer_norm", "post_attention_layernorm"))),
 ]}
-ALL_MODELS: dict[str, TinyModel] = {**MODELS, **TP2_MODELS, **NEW_FAMILY_MODELS, **LAYOUT_30_MODELS}
+# Only in tests/e2e/test_binding_e2e.py (issue #40): Falcon-H1 with muP multipliers other than 1 (the
+# released models' are), so that the layer-0 image rule is proved with each of them in play.
+BINDING_MODELS: dict[str, TinyModel] = {m.name: m for m in [
+    TinyModel("falcon-h1-mup-tiny", "falcon_h1", "bfloat16", mamba=True, block_size=None,
+              config_args={"embedding_multiplier": 4.0, "ssm_in_multiplier": 0.5,
+                           "ssm_multipliers": [1.0, 2.0, 0.5, 1.5, 1.0]}),
+    # Qwen3-Next with 2 key-head groups of 2 value heads: in_proj_qkvz's interleaving shows, and TP 2
+    # gives each rank one group
+    TinyModel("qwen3-next-tiny-gqa", "qwen3_next", "bfloat16", mamba=True, block_size=None,
+              config_args={"linear_num_key_heads": 2, "linear_num_value_heads": 4}),
+]}
+ALL_MODELS: dict[str, TinyModel] = {**MODELS, **TP2_MODELS, **NEW_FAMILY_MODELS, **LAYOUT_30_MODELS, **BINDING_MODELS}
 
 
 def hf_config(model: TinyModel):
@@ -110,23 +121,22 @@ def hf_config(model: TinyModel):
             mamba_head_dim=16, n_groups=1, conv_kernel=4, expand=2, chunk_size=16, max_position_embeddings=4096,
             **common), **model.config_args})
     if model.family == "falcon_h1":
-        return t.FalconH1Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
-                                num_key_value_heads=1, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16,
-                                mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
-                                mamba_chunk_size=16, max_position_embeddings=4096, **common)
+        return t.FalconH1Config(**{**dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
+            mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
+            mamba_expand=2, mamba_chunk_size=16, max_position_embeddings=4096, **common), **model.config_args})
     if model.family == "lfm2":
         return t.Lfm2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=1,
                             num_key_value_heads=1, conv_L_cache=3, block_auto_adjust_ff_dim=False,
                             layer_types=["conv", "full_attention", "conv"], max_position_embeddings=4096, **common)
     if model.family == "qwen3_next":
-        return t.Qwen3NextConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                                 num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                                 linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
-                                 linear_num_key_heads=1, linear_num_value_heads=1,
-                                 layer_types=["linear_attention"] * 3 + ["full_attention"],
-                                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                                 shared_expert_intermediate_size=64, decoder_sparse_step=1,
-                                 max_position_embeddings=4096, **common)
+        return t.Qwen3NextConfig(**{**dict(
+            hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=64, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+            linear_value_head_dim=128, linear_num_key_heads=1, linear_num_value_heads=1,
+            layer_types=["linear_attention"] * 3 + ["full_attention"], num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=64, shared_expert_intermediate_size=64, decoder_sparse_step=1,
+            max_position_embeddings=4096, **common), **model.config_args})
     if model.family == "granitemoehybrid":
         return t.GraniteMoeHybridConfig(**{**dict(
             hidden_size=128, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

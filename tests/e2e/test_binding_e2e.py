@@ -6,11 +6,12 @@ n_groups 1, block 16) in float32 at TP 1 and TP 2 (the group replicated onto eac
 bfloat16 checkpoint served with dtype "auto" (conv state in bfloat16) at TP 1, five prompts each
 ending a few tokens after a boundary (vLLM 0.32 publishes one state per request, at its last
 boundary); and the hybrids whose layer 0 is a Mamba2 mixer (Nemotron-H, Granite 4.0 hybrid with its
-two groups, Zamba2), bfloat16, at the block vLLM chooses, prompts sized in it.
+two groups, Zamba2, Falcon-H1 with and without muP multipliers) and LFM2 (ShortConv: its rows are
+``B * x``), bfloat16, at the block vLLM chooses, prompts sized in it.
 
 - The differential test: layer 0's conv rows of every value that holds them are the images,
-  computed by the audit from ``model.safetensors`` (`audit.layouts.weights`), of the 3 tokens
-  before a block boundary, and decoding the rows (`audit.checks.binding`) gives those tokens back.
+  computed by the audit from ``model.safetensors`` (`audit.layouts.weights`), of the ``d_conv - 1``
+  tokens before a block boundary, and decoding the rows (`audit.checks.binding`) gives those tokens back.
   For the pure Mamba2 the prefix is the key's own: every key's hash is one of its prompt's chained
   block hashes (vLLM's ``hash_block_tokens``, sha256); for a hybrid, a window of the prompts that
   ends on one of the engine's block boundaries.
@@ -37,9 +38,10 @@ import numpy as np
 import pytest
 
 from tests.e2e import harness
+from tests.e2e.models import ALL_MODELS
+from tests.e2e.test_new_families_e2e import OLMO_CPU_ENV
 
 BLOCK = 16
-CONV_ROWS = 3  # d_conv - 1
 OBSERVED = Path(__file__).with_name("binding_observed.json")
 
 
@@ -61,6 +63,12 @@ CASES = {case.name: case for case in [
     Case("nemotron-h-tp1", "nemotron-h-tiny", 1, None, 0.01, block=None),
     Case("granite-4h-tp1", "granite-4h-tiny", 1, None, 0.01, block=None),
     Case("zamba2-tp1", "zamba2-tiny", 1, None, 0.01, block=None),
+    Case("lfm2-tp1", "lfm2-tiny", 1, None, 0.01, block=None),
+    Case("falcon-h1-tp1", "falcon-h1-tiny", 1, None, 0.01, block=None),
+    Case("falcon-h1-mup-tp1", "falcon-h1-mup-tiny", 1, None, 0.01, block=None),
+    Case("qwen3-next-tp1", "qwen3-next-tiny", 1, "bfloat16", 0.01, block=None),
+    Case("olmo-hybrid-tp1", "olmo-hybrid-tiny", 1, "bfloat16", 0.01, block=None),
+    Case("qwen3-next-gqa-tp2", "qwen3-next-tiny-gqa", 2, "bfloat16", 0.01, block=None),
 ]}
 
 
@@ -104,6 +112,8 @@ def observed():
     yield found
     if found:
         previous = json.loads(OBSERVED.read_text()) if OBSERVED.exists() else {}
+        # per case, so a partial run keeps the other cases' prefix records
+        found["prefix_records"] = {**previous.get("prefix_records", {}), **found.get("prefix_records", {})}
         OBSERVED.write_text(json.dumps({**previous, **found}, indent=2) + "\n")
 
 
@@ -116,7 +126,8 @@ def _produce(session, models_dir: Path, case: Case) -> Produced:
     batch = prompts(40) if case.block else harness.sized_batch(3, 2, 5, seed=40)
     work = session.root / f"binding-{case.name}"
     run = harness.run_engine(models_dir / case.model, config, [batch], work, mamba=True, block_size=case.block,
-                             dtype=case.dtype, tp=case.tp, max_tokens=2, drain=True, record_dir=work / "records")
+                             dtype=case.dtype, tp=case.tp, max_tokens=2, drain=True, record_dir=work / "records",
+                             extra_env={OLMO_CPU_ENV: "1"} if ALL_MODELS[case.model].family == "olmo_hybrid" else None)
     keys = harness.published_keys(cluster, run)
     result = Produced(case, cluster, config, models_dir / case.model, keys, run.prompts[0], run.vllm["block_size"],
                       work / "records")
@@ -155,15 +166,14 @@ def test_every_keys_layer0_rows_are_the_images_of_its_own_prefixs_last_tokens(se
     worst, ranks = 0.0, set()
     for key in bound:
         fields = harness.key_fields(key)
-        region = _layer0_conv(records[key])
+        images = token_images(result.model_dir, result.case.model, result.case.tp, fields["tp_rank"])
+        rows = _rows(values[key], _layer0_conv(records[key]), images.columns)
         if named:
             assert fields["hash"] in named, f"{key}: its hash is none of the prompts' block hashes"
             prompt, k = named[fields["hash"]]
-            tokens = prompt[k * BLOCK - CONV_ROWS:k * BLOCK]
+            tokens = prompt[k * BLOCK - len(rows):k * BLOCK]
         else:  # a hybrid: the window its rows decode to ends at one of the prompts' block boundaries
-            tokens = _boundary_window(result, values[key], region)
-        rows = _rows(values[key], region)
-        images = token_images(result.model_dir, result.case.model, result.case.tp, fields["tp_rank"])
+            tokens = _boundary_window(result, rows, images)
         expected = images.images(tokens)
         distance = np.linalg.norm(rows - expected, axis=1) / np.linalg.norm(expected, axis=1)
         worst, ranks = max(worst, float(distance.max())), ranks | {fields["tp_rank"]}
@@ -176,24 +186,23 @@ def test_every_keys_layer0_rows_are_the_images_of_its_own_prefixs_last_tokens(se
     assert bound and ranks == set(range(result.case.tp))
 
 
-def _boundary_window(result: Produced, value: bytes, region: dict) -> list[int]:
-    """The 3 tokens before a block boundary of one of the prompts that the rows decode to (asserted)."""
+def _boundary_window(result: Produced, rows: np.ndarray, images) -> list[int]:
+    """The tokens before a block boundary of one of the prompts that the rows decode to (asserted)."""
     from audit.checks.binding import nearest_tokens
-    from audit.layouts.weights import token_images
 
-    images = token_images(result.model_dir, result.case.model, result.case.tp, 0)
-    decoded, _ = nearest_tokens(_rows(value, region), images)
-    windows = [prompt[end - CONV_ROWS:end] for prompt in result.prompts
+    decoded, _ = nearest_tokens(rows, images)
+    windows = [prompt[end - len(rows):end] for prompt in result.prompts
                for end in range(result.block, len(prompt) + 1, result.block)]
     assert decoded.tolist() in windows, (decoded, result.block)
     return decoded.tolist()
 
 
-def _rows(value: bytes, region: dict) -> np.ndarray:
+def _rows(value: bytes, region: dict, columns: int) -> np.ndarray:
+    """The region's rows, one per token (``d_conv - 1`` of them: vLLM's default layout, (rows, columns))."""
     from audit.checks.floats import decode_floats
 
     data = np.frombuffer(value, dtype=np.uint8)[region["offset"]:region["offset"] + region["length"]]
-    return decode_floats(data, region["dtype"]).reshape(CONV_ROWS, -1)
+    return decode_floats(data, region["dtype"]).reshape(-1, columns)
 
 
 @pytest.mark.parametrize("name", CASES)

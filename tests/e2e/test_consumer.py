@@ -235,6 +235,27 @@ def test_a_guarded_consumer_refuses_another_requests_state_under_its_prefix(sess
     assert diverged(guarded["run"], cold) == {}
 
 
+def test_a_guarded_consumer_of_other_weights_refuses_every_hit_and_equals_its_own_cold_baseline(session, models_dir):
+    """Issue #40 §4: the checkpoint was updated under the same model name, and the store still holds
+    the old weights' states (the healthy producer's). A guarded consumer of the new weights refuses
+    every one it loads as WEIGHTS_MISMATCH (its rows are no token's image under the consumer's own
+    weights), recomputes, and answers as a cold engine of the new weights does."""
+    case = HEALTHY[0]
+    new_weights = harness.make_model(session.root / "consumer-new-weights", case.model, seed=1)
+    producer(session, models_dir, case, healthy=True)
+    store = f"consumer-{case.name}-healthy-producer"
+    new_dir = new_weights.parent
+    cold = _engine(session, new_dir, case, "new-weights-cold", "none", [consumer_prompts(case)])["run"]
+    guarded = _engine(session, new_dir, case, "new-weights-guarded", store, [consumer_prompts(case)],
+                      load_guard=True, kv_role="kv_consumer", kv_load_failure_policy="recompute")
+    loads = load_records(guarded["records"])
+    refusals = [r for r in loads if r.get("refused")]
+    assert refusals and {r["reason"] for r in refusals} <= {"WEIGHTS_MISMATCH", "DENIED"}, refusals[:2]
+    assert "WEIGHTS_MISMATCH" in {r["reason"] for r in refusals}
+    assert [r for r in loads if not r.get("refused") and isinstance(r.get("rc"), int) and r["rc"] >= 0] == []
+    assert diverged(guarded["run"], cold) == {}
+
+
 def _block_hash(tokens: list[int]) -> str:
     """vLLM's chained block hash (sha256, 16-token blocks) of `tokens`' last full block, as a key's last field."""
     from vllm.utils.hashing import sha256

