@@ -53,6 +53,7 @@ class Case:
     dtype: str | None     # LLM(dtype=...); None: "auto"
     exact: float          # the largest relative distance of a healthy row from its token's image
     block: int | None = BLOCK  # asked of vLLM; None: the hybrid's own (its prompts sized in it)
+    shares_clean: bool = False  # judges test_vllm_e2e's clean run of the model (one engine for both files)
 
 
 # The pure Mamba2 at block 16, and the hybrids whose layer 0 is a Mamba2 mixer, at their own block.
@@ -60,13 +61,13 @@ CASES = {case.name: case for case in [
     Case("mamba2-fp32-tp1", "mamba2-tiny", 1, "float32", 1e-5),
     Case("mamba2-fp32-tp2", "mamba2-tiny", 2, "float32", 1e-5),
     Case("mamba2-bf16-tp1", "mamba2-tiny-bf16", 1, None, 0.01),
-    Case("nemotron-h-tp1", "nemotron-h-tiny", 1, None, 0.01, block=None),
+    Case("nemotron-h-tp1", "nemotron-h-tiny", 1, None, 0.01, block=None, shares_clean=True),
     Case("granite-4h-tp1", "granite-4h-tiny", 1, None, 0.01, block=None),
     Case("zamba2-tp1", "zamba2-tiny", 1, None, 0.01, block=None),
-    Case("lfm2-tp1", "lfm2-tiny", 1, None, 0.01, block=None),
-    Case("falcon-h1-tp1", "falcon-h1-tiny", 1, None, 0.01, block=None),
+    Case("lfm2-tp1", "lfm2-tiny", 1, None, 0.01, block=None, shares_clean=True),
+    Case("falcon-h1-tp1", "falcon-h1-tiny", 1, None, 0.01, block=None, shares_clean=True),
     Case("falcon-h1-mup-tp1", "falcon-h1-mup-tiny", 1, None, 0.01, block=None),
-    Case("qwen3-next-tp1", "qwen3-next-tiny", 1, "bfloat16", 0.01, block=None),
+    Case("qwen3-next-tp1", "qwen3-next-tiny", 1, None, 0.01, block=None, shares_clean=True),
     Case("olmo-hybrid-tp1", "olmo-hybrid-tiny", 1, "bfloat16", 0.01, block=None),
     Case("qwen3-next-gqa-tp2", "qwen3-next-tiny-gqa", 2, "bfloat16", 0.01, block=None),
 ]}
@@ -122,15 +123,22 @@ def produced(session, models_dir: Path, name: str) -> Produced:
 
 
 def _produce(session, models_dir: Path, case: Case) -> Produced:
-    cluster, config = session.cluster(f"binding-{case.name}")
-    batch = prompts(40) if case.block else harness.sized_batch(3, 2, 5, seed=40)
-    work = session.root / f"binding-{case.name}"
-    run = harness.run_engine(models_dir / case.model, config, [batch], work, mamba=True, block_size=case.block,
-                             dtype=case.dtype, tp=case.tp, max_tokens=2, drain=True, record_dir=work / "records",
-                             extra_env={OLMO_CPU_ENV: "1"} if ALL_MODELS[case.model].family == "olmo_hybrid" else None)
-    keys = harness.published_keys(cluster, run)
+    if case.shares_clean:  # its two long prompts, bfloat16 ("auto"), the recorder on
+        from tests.e2e.test_vllm_e2e import clean
+
+        shared = clean(session, models_dir, case.model)
+        cluster, config, run, keys, records = shared.cluster, shared.config, shared.run, shared.keys, shared.record_dir
+    else:
+        cluster, config = session.cluster(f"binding-{case.name}")
+        batch = prompts(40) if case.block else harness.sized_batch(3, 2, 5, seed=40)
+        records = session.root / f"binding-{case.name}" / "records"
+        run = harness.run_engine(models_dir / case.model, config, [batch], records.parent, mamba=True,
+                                 block_size=case.block, dtype=case.dtype, tp=case.tp, max_tokens=2, drain=True,
+                                 record_dir=records, extra_env={OLMO_CPU_ENV: "1"}
+                                 if ALL_MODELS[case.model].family == "olmo_hybrid" else None)
+        keys = harness.published_keys(cluster, run)
     result = Produced(case, cluster, config, models_dir / case.model, keys, run.prompts[0], run.vllm["block_size"],
-                      work / "records")
+                      records)
     result.scan = harness.scan(config, cluster, "--model-config", str(result.model_dir))
     return result
 
