@@ -1,10 +1,10 @@
-"""WEIGHTS_MISMATCH: a state whose layer-0 conv rows are not the images of any token under the
-weights the operator gave (`--model-config DIR` holding the checkpoint).
+"""WEIGHTS_MISMATCH: a state whose layer-0 conv rows (or attention V rows) are not the images of any
+token under the weights the operator gave (`--model-config DIR` holding the checkpoint).
 
 Such a state is finite, non-zero and well formed, and still not what these weights compute for any
 prefix: another checkpoint published under the same model name, bytes read in the wrong dtype,
-garbage. The rows are decoded in `audit.checks.binding`; this module finds them in a value (the conv
-region of layer 0) and says what they show."""
+garbage. The rows are decoded in `audit.checks.binding`; this module finds them in a value (layer
+0's conv region, or the V half of its attention page) and says what they show."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ _ALREADY_FLAGGED = frozenset({Verdict.ZERO_STATE, Verdict.ZERO_VALUE, Verdict.NO
                               Verdict.SIZE_MISMATCH, Verdict.AMBIGUOUS_LAYOUT})
 
 
-NO_LAYER0_STATE = "no key read holds layer 0's conv state (layer 0 is attention, or no key of it was read)"
+NO_LAYER0_STATE = "no key read holds layer 0's token rows (no key of it was read, or none holds layer 0)"
 
 
 @dataclass
@@ -79,74 +79,119 @@ class Bindings:
         return {"bound": sorted(bound), "not_bound": not_bound, "row_tolerance": ROW_TOLERANCE, **extra}
 
 
-def layer0_conv(layout):
-    """The conv region of layer 0 in `layout`, or None: only there is a row a function of one token."""
+# An attention page in these dtypes holds V as computed; an fp8 cache holds it scaled and rounded to
+# 3 mantissa bits, further from its image than the tolerance allows: not bound.
+_UNSCALED = frozenset({"float32", "float16", "bfloat16"})
+
+
+def layer0_region(layout, kind: str | None = None):
+    """Layer 0's region in `layout` whose rows are token images, of `kind` (`TokenImages.region`) or
+    either: its conv state ("conv"), or its attention page of (heads, tokens, 2 * head_size) ("v": its
+    V rows); None where layer 0 holds neither (a kernel-block split or a one-head slice of a page, as a
+    manifest may describe it, is not read): only there is a row a function of one token."""
     for segment, region in layout.regions():
-        if segment.layer == 0 and region.kind == "state" and region.name == "conv":
+        if segment.layer != 0:
+            continue
+        if region.kind == "state" and region.name == "conv":
+            found = "conv"
+        elif region.kind == "kv" and len(region.shape) == 3 and region.shape[2] % 2 == 0 \
+                and region.dtype in _UNSCALED:
+            found = "v"
+        else:
+            continue
+        if kind in (None, found):
             return region
     return None
 
 
 def bind_values(records: list[KeyRecord], values: list, readings: list, bindings: Bindings) -> None:
     """WEIGHTS_MISMATCH on each record whose value's (``values[i]``: its bytes, or None when unread)
-    layer-0 conv rows are not all images of tokens under its model's weights, under any of its
-    readings (``readings[i]``: the layouts it may be read with, the one it is judged by first): a
-    size that fits bfloat16 and float16 alike is bound under the reading that decodes to tokens,
-    and flagged only when none does. All the batch's rows are decoded at once, per (model, TP
-    size, rank)."""
-    groups: dict[int, list] = {}
-    tried: dict[int, list] = {}  # record index -> (images, tokens, distances), one per distinct layer-0 region
+    layer-0 token rows (conv rows, or attention's V: `layer0_region`) are not all images of tokens
+    under its model's weights, under any of its readings (``readings[i]``: the layouts it may be read
+    with, the one it is judged by first): a size that fits bfloat16 and float16 alike is bound under
+    the reading that decodes to tokens, and flagged only when none does. The batch's rows are
+    decoded at once, per (model, TP size, rank): every value's first reading, then the next reading
+    of the values none has bound yet (a wrong reading's rows go the long way, a search of the whole
+    vocabulary, so a healthy value is never read twice)."""
+    pending: list[tuple[int, list]] = []  # record index -> its readings' (images, rows), the likeliest first
     for i, (record, value, layouts) in enumerate(zip(records, values, readings)):
         if value is None or not layouts or _ALREADY_FLAGGED.intersection(record.verdicts):
             continue
-        for region, layout in {layer0_conv(layout): layout for layout in layouts if layout.size == record.size}.items():
-            if region is None:
+        seen, candidates = set(), []
+        for layout in layouts:
+            if layout.size != record.size or layer0_region(layout) is None:
                 continue
             rank = record.parsed_fields().get("tp_rank", 0) if layout.tp_size > 1 else 0
             images = bindings.images(layout.model, layout.tp_size, rank)
-            rows = None if images is None else _rows(value, region)
-            if rows is None:
+            region = None if images is None else layer0_region(layout, images.region)
+            if region is None or region in seen:
                 continue
-            if rows.shape[1] != images.columns:
-                bindings.unbound[layout.model] = (f"layer 0's conv rows have {rows.shape[1]} columns at TP "
-                                                  f"{layout.tp_size}, the image rule {images.columns}")
-                continue
+            seen.add(region)
+            for rows in _token_rows(value, region, images.region):
+                if rows.shape[1] != images.columns:
+                    bindings.unbound[layout.model] = (f"layer 0's {images.region} rows have {rows.shape[1]} columns "
+                                                      f"at TP {layout.tp_size}, the image rule {images.columns}")
+                    continue
+                candidates.append((images, rows))
+        if candidates:
+            pending.append((i, candidates))
+    tried: dict[int, list] = {}  # record index -> (images, tokens, distances), one per reading decoded
+    while pending:
+        groups: dict[int, list] = {}
+        for i, candidates in pending:
+            images, rows = candidates[0]
             groups.setdefault(id(images), [images, []])[1].append((i, rows))
-    for images, members in groups.values():
-        tokens, distances = nearest_tokens(np.concatenate([rows for _, rows in members]), images)
-        start = 0
-        for i, rows in members:
-            end = start + len(rows)
-            tried.setdefault(i, []).append((images, tokens[start:end], distances[start:end]))
-            start = end
+        for images, members in groups.values():
+            tokens, distances = nearest_tokens(np.concatenate([rows for _, rows in members]), images)
+            start = 0
+            for i, rows in members:
+                end = start + len(rows)
+                tried.setdefault(i, []).append((images, tokens[start:end], distances[start:end]))
+                start = end
+        pending = [(i, candidates[1:]) for i, candidates in pending
+                   if len(candidates) > 1 and not (tried[i][-1][2] <= ROW_TOLERANCE).all()]
     for i, outcomes in tried.items():
         bound = [(images, tokens) for images, tokens, distances in outcomes if (distances <= ROW_TOLERANCE).all()]
         if not bound:
             images, tokens, distances = outcomes[0]
             _flag(records[i], tokens, distances, images)
-        elif bindings.prefixes is not None:  # these weights' state: of the prefix its hash names?
+        elif bindings.prefixes is not None and bound[0][0].region == "conv":
+            # these weights' state: of the prefix its hash names? (the records name conv windows only)
             images, tokens = bound[0]
             check_prefix(records[i], tokens, images, bindings.prefixes)
 
 
-def _rows(value, region) -> np.ndarray | None:
-    """The region's rows as float32, oldest token first (vLLM's "SD" layout is (state_len, dim);
-    a "DS" layout is its transpose); None for a dtype that is not a float. A value in device memory
-    brings only these bytes to the host."""
+def _token_rows(value, region, kind: str) -> list[np.ndarray]:
+    """The region's token rows as float32 (n, columns), oldest token first, under each byte order it
+    may have; none for a dtype that is not a float. A value in device memory brings only these bytes
+    to the host. A conv state is vLLM's "SD" layout (state_len, dim), or its transpose ("DS"). An
+    attention page is (heads, tokens, 2 * head_size) numbers, and a token's V row is its V over the
+    heads: vLLM 0.32's CPU backend keeps each head's K of every token, then its V of every token
+    (``cpu_attn.py``: ``kv_cache.view(blocks, heads, block_size * 2, -1).chunk(2, dim=2)``; proved on
+    a real vLLM's keys); the page interface's own orders, a token's ``k|v`` per head
+    (``KVCacheLayout.LBHNC``) or per token (``LBNHC``), are read too: a value binds under any."""
     data = value[region.offset:region.offset + region.length]
     if not isinstance(data, np.ndarray):  # a torch tensor on the GPU
         data = data.cpu().numpy()
     numbers = decode_floats(data, region.dtype)
     if numbers is None:
-        return None
-    rows = numbers.reshape(region.shape).astype(np.float32)
-    return rows if rows.shape[0] <= rows.shape[1] else rows.T
+        return []
+    if kind == "conv":
+        rows = numbers.reshape(region.shape).astype(np.float32)
+        return [rows if rows.shape[0] <= rows.shape[1] else rows.T]
+    heads, tokens, width = region.shape
+    size = width // 2
+    by_head = numbers.reshape(heads, 2, tokens, size)[:, 1].transpose(1, 0, 2)   # CPU_ATTN
+    interleaved = numbers.reshape(heads, tokens, 2, size)[:, :, 1].transpose(1, 0, 2)  # LBHNC, k|v per token
+    token_major = numbers.reshape(tokens, heads, 2, size)[:, :, 1]                   # LBNHC
+    orders = (by_head, interleaved) if heads == 1 else (by_head, interleaved, token_major)  # one head: the same
+    return [np.ascontiguousarray(v.reshape(tokens, heads * size), dtype=np.float32) for v in orders]
 
 
 def _flag(record: KeyRecord, tokens, distances, images) -> None:
     record.verdicts.append(Verdict.WEIGHTS_MISMATCH)
     record.evidence["weights_mismatch"] = {
-        "layer": 0, "region": "conv", "row_tolerance": ROW_TOLERANCE,
+        "layer": 0, "region": images.region, "row_tolerance": ROW_TOLERANCE,
         "rows": [{"row": row, "nearest_token": int(token), "distance": round(float(distance), 6)}
                  for row, (token, distance) in enumerate(zip(tokens, distances))],
         "weights": images.source}

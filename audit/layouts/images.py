@@ -2,10 +2,11 @@
 
 At layer 0 a mixer's input is a function of the token alone, and a conv state holds the conv inputs
 of the last ``d_conv - 1`` tokens before its boundary (FACTS §11): each of its rows is the image of
-one token. A family's module says which tensors make that image and which columns a TP rank holds
-(`Family.token_images`); this module holds the arithmetic they share (`audit.layouts.weights` finds a
-model directory's rule). The image is ``n @ weight.T`` over the rank's columns, ``n = rmsnorm(embed[t] *
-scale)``; a gated rule (ShortConv's ``B * x``) multiplies it by ``n @ gate.T`` column by column."""
+one token; so is each token's V in an attention page (`region` "v"). A family's module says which
+tensors make that image and which columns a TP rank holds (`Family.token_images`); this module holds
+the arithmetic they share (`audit.layouts.weights` finds a model directory's rule). The image is
+``n @ weight.T`` over the rank's columns, ``n = rmsnorm(embed[t] * scale)``; a gated rule (ShortConv's
+``B * x``) multiplies it by ``n @ gate.T`` column by column."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ class TokenImages:
     weight: np.ndarray              # (columns, hidden): the rank's rows of the input projection
     embedding_scale: float = 1.0
     gate: np.ndarray | None = None  # (columns, hidden): a second projection the image is multiplied by
+    region: str = "conv"            # which layer-0 rows are images: "conv" (a conv state's), "v" (attention's V)
     source: dict = field(default_factory=dict)  # which tensors, for the report
     checkpoint: str = ""            # the checkpoint's identity (`Checkpoint.identity`): the probe's cache key
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .checkpoint import Checkpoint
-from .families import registered_family
+from .families import family_of
 from .hf_config import load_hf_config, read_config
 from .images import TokenImages
 from .model import LayoutError
@@ -15,8 +15,8 @@ def token_images(directory: Path, model: str, tp_size: int, tp_rank: int) -> Tok
     """The token images of a model directory's checkpoint for one TP rank, or a LayoutError saying
     why it is not bound (no weights, a family with no image rule yet, quantized weights)."""
     config = read_config(load_hf_config(directory))
-    family = registered_family(config)
-    if family is None or family.token_images is None:
+    family = family_of(config)
+    if family.token_images is None:
         raise LayoutError(f"model_type {config.model_type!r}: no layer-0 image rule yet (not bound)")
     if not Checkpoint.found(directory):
         raise LayoutError(f"{directory}: no safetensors weights (not bound)")

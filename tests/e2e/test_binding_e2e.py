@@ -23,6 +23,11 @@ two groups, Zamba2, Falcon-H1 with and without muP multipliers) and LFM2 (ShortC
   the digest of the tokens its state holds at layer 0; every published key's hash has its record,
   a scan with them flags nothing, and another request's state put under a key (its own key gone)
   is PREFIX_MISMATCH, alone.
+- Pure attention (Llama, bfloat16, block 32; TP 1 with one KV head, TP 2 with one of two KV heads
+  per rank): every published block's layer-0 V rows (the CPU backend's page: a head's K of every
+  token, then its V) are the images, under ``v_proj``, of that block's own tokens (its hash says
+  which); a scan with the weights binds every key, and one with another checkpoint flags every key.
+  Attention keys have no prefix records (their K is not bound, their V is the block's own tokens).
 """
 
 from __future__ import annotations
@@ -73,22 +78,29 @@ CASES = {case.name: case for case in [
 ]}
 
 
-def prompts(seed: int) -> list[list[int]]:
+# Pure attention (Llama, block 32): layer 0's V rows of each block are the images of its own tokens.
+ATTENTION_CASES = {case.name: case for case in [
+    Case("llama-tp1", "llama-tiny", 1, None, 0.01, block=32),
+    Case("llama-kv2-tp2", "llama-tiny-kv2", 2, None, 0.01, block=32),
+]}
+
+
+def prompts(seed: int, block: int = BLOCK) -> list[list[int]]:
     """Five prompts of 3 to 9 full blocks and 1 to 7 more tokens (never ending on a boundary)."""
     rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(blocks * BLOCK + extra)]
+    return [[rng.randrange(3, 512) for _ in range(blocks * block + extra)]
             for blocks, extra in ((3, 1), (4, 5), (5, 7), (6, 2), (9, 3))]
 
 
-def block_hashes(prompt: list[int]) -> dict[str, int]:
+def block_hashes(prompt: list[int], block: int = BLOCK) -> dict[str, int]:
     """The hex of each full block's chained hash (vLLM's, as the key's last field) -> its block count."""
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
 
     init_none_hash(sha256)
     hashes, parent = {}, None
-    for k in range(1, len(prompt) // BLOCK + 1):
-        parent = hash_block_tokens(sha256, parent, prompt[(k - 1) * BLOCK:k * BLOCK])
+    for k in range(1, len(prompt) // block + 1):
+        parent = hash_block_tokens(sha256, parent, prompt[(k - 1) * block:k * block])
         hashes[parent.hex()] = k
     return hashes
 
@@ -119,7 +131,8 @@ def observed():
 
 
 def produced(session, models_dir: Path, name: str) -> Produced:
-    return harness.run_once(session, f"binding-{name}", lambda: _produce(session, models_dir, CASES[name]))
+    case = CASES.get(name) or ATTENTION_CASES[name]
+    return harness.run_once(session, f"binding-{name}", lambda: _produce(session, models_dir, case))
 
 
 def _produce(session, models_dir: Path, case: Case) -> Produced:
@@ -130,9 +143,10 @@ def _produce(session, models_dir: Path, case: Case) -> Produced:
         cluster, config, run, keys, records = shared.cluster, shared.config, shared.run, shared.keys, shared.record_dir
     else:
         cluster, config = session.cluster(f"binding-{case.name}")
-        batch = prompts(40) if case.block else harness.sized_batch(3, 2, 5, seed=40)
+        batch = prompts(40, case.block) if case.block else harness.sized_batch(3, 2, 5, seed=40)
         records = session.root / f"binding-{case.name}" / "records"
-        run = harness.run_engine(models_dir / case.model, config, [batch], records.parent, mamba=True,
+        run = harness.run_engine(models_dir / case.model, config, [batch], records.parent,
+                                 mamba=ALL_MODELS[case.model].mamba,
                                  block_size=case.block, dtype=case.dtype, tp=case.tp, max_tokens=2, drain=True,
                                  record_dir=records, extra_env={OLMO_CPU_ENV: "1"}
                                  if ALL_MODELS[case.model].family == "olmo_hybrid" else None)
@@ -159,7 +173,6 @@ def _layer0_conv(record: dict) -> dict:
 
 @pytest.mark.parametrize("name", CASES)
 def test_every_keys_layer0_rows_are_the_images_of_its_own_prefixs_last_tokens(session, models_dir, observed, name):
-    from audit.checks.binding import nearest_tokens
     from audit.layouts.weights import token_images
 
     result = produced(session, models_dir, name)
@@ -182,16 +195,24 @@ def test_every_keys_layer0_rows_are_the_images_of_its_own_prefixs_last_tokens(se
             tokens = prompt[k * BLOCK - len(rows):k * BLOCK]
         else:  # a hybrid: the window its rows decode to ends at one of the prompts' block boundaries
             tokens = _boundary_window(result, rows, images)
-        expected = images.images(tokens)
-        distance = np.linalg.norm(rows - expected, axis=1) / np.linalg.norm(expected, axis=1)
-        worst, ranks = max(worst, float(distance.max())), ranks | {fields["tp_rank"]}
-        assert distance.max() <= result.case.exact, (key, distance)
-        decoded, _ = nearest_tokens(rows, images)
-        assert decoded.tolist() == tokens, (key, decoded, tokens)
+        worst, ranks = max(worst, _images_of(rows, tokens, images, result.case.exact, key)), ranks | {fields["tp_rank"]}
     observed[name] = {"keys": len(result.keys), "keys_with_layer0_state": len(bound), "block_size": result.block,
                       "tp_ranks": sorted(ranks), "worst_row_distance": worst,
                       "conv_dtype": _layer0_conv(records[bound[0]])["dtype"]}
     assert bound and ranks == set(range(result.case.tp))
+
+
+def _images_of(rows: np.ndarray, tokens: list[int], images, exact: float, key: str) -> float:
+    """Assert that `rows` are the images of `tokens` (each within `exact`, and decoded back to them);
+    the largest distance."""
+    from audit.checks.binding import nearest_tokens
+
+    expected = images.images(tokens)
+    distance = np.linalg.norm(rows - expected, axis=1) / np.linalg.norm(expected, axis=1)
+    assert distance.max() <= exact, (key, distance)
+    decoded, _ = nearest_tokens(rows, images)
+    assert decoded.tolist() == tokens, (key, decoded, tokens)
+    return float(distance.max())
 
 
 def _boundary_window(result: Produced, rows: np.ndarray, images) -> list[int]:
@@ -213,7 +234,7 @@ def _rows(value: bytes, region: dict, columns: int) -> np.ndarray:
     return decode_floats(data, region["dtype"]).reshape(-1, columns)
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", [*CASES, *ATTENTION_CASES])
 def test_a_scan_with_the_weights_binds_every_key_and_finds_nothing(session, models_dir, name):
     result = produced(session, models_dir, name)
     scan = result.scan
@@ -245,6 +266,56 @@ def test_another_checkpoint_under_the_same_name_is_weights_mismatch(session, mod
     assert {r["key"] for r in scan.report["findings"]} == theirs
     assert min(distances) > 0.05
     assert scan.rc == 1
+
+
+@pytest.mark.parametrize("name", ATTENTION_CASES)
+def test_every_attention_keys_layer0_v_rows_are_the_images_of_its_own_blocks_tokens(session, models_dir, observed,
+                                                                                    name):
+    """vLLM 0.32's CPU backend keeps a head's page as K of its block's tokens, then their V
+    (``cpu_attn.py``); each token's V over the rank's KV heads is its image under ``v_proj``."""
+    from audit.checks.floats import decode_floats
+    from audit.layouts.weights import token_images
+
+    result = produced(session, models_dir, name)
+    block = result.case.block
+    assert result.block == block
+    named = {hex_: (prompt, k) for prompt in result.prompts for hex_, k in block_hashes(prompt, block).items()}
+    records = {r["key"]: r for r in result.scan.records}
+    values = _values(result.config, result.keys)
+    worst, ranks = 0.0, set()
+    for key in result.keys:
+        fields = harness.key_fields(key)
+        assert fields["hash"] in named, f"{key}: its hash is none of the prompts' block hashes"
+        prompt, k = named[fields["hash"]]
+        images = token_images(result.model_dir, result.case.model, result.case.tp, fields["tp_rank"])
+        (region,) = [r for r in records[key]["regions"] if r["layer"] == 0 and r["region"] == "kv"]
+        data = np.frombuffer(values[key], dtype=np.uint8)[region["offset"]:region["offset"] + region["length"]]
+        heads = images.columns // 64  # head_dim 64 (tests/e2e/models.py)
+        rows = decode_floats(data, region["dtype"]).reshape(heads, 2, block, 64)[:, 1]  # (heads, K|V, tokens, dim)
+        rows = rows.transpose(1, 0, 2).reshape(block, images.columns).astype(np.float32)
+        tokens = prompt[(k - 1) * block:k * block]
+        worst, ranks = max(worst, _images_of(rows, tokens, images, result.case.exact, key)), ranks | {fields["tp_rank"]}
+    observed[name] = {"keys": len(result.keys), "block_size": result.block, "tp_ranks": sorted(ranks),
+                      "worst_row_distance": worst, "kv_dtype": region["dtype"]}
+    assert result.keys and ranks == set(range(result.case.tp))
+
+
+def test_llama_keys_against_another_checkpoint_under_the_same_name_are_weights_mismatch(session, models_dir,
+                                                                                        observed):
+    """The TP 1 Llama's keys scanned with another checkpoint (other seed) under the same model name:
+    every key is WEIGHTS_MISMATCH, its V rows far from every image of those weights."""
+    result = produced(session, models_dir, "llama-tp1")
+    other = harness.make_model(session.root / "binding-llama-other-weights", result.case.model, seed=1)
+    scan = harness.scan(result.config, result.cluster, "--model-config", str(other))
+    assert scan.report is not None, f"exit {scan.rc}: {scan.stderr[-800:]}"
+    flagged = scan.keys_with("WEIGHTS_MISMATCH")
+    distances = [row["distance"] for record in scan.records if record["key"] in flagged
+                 for row in record["evidence"]["weights_mismatch"]["rows"]]
+    observed["llama_other_weights"] = {"keys": len(result.keys), "flagged": len(flagged),
+                                       "row_distances": [min(distances), max(distances)] if distances else None}
+    assert flagged == set(result.keys) and scan.rc == 1
+    assert {r["evidence"]["weights_mismatch"]["region"] for r in scan.records if r["key"] in flagged} == {"v"}
+    assert min(distances) > 0.05
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -92,3 +92,54 @@ def test_a_value_is_bound_under_the_reading_that_decodes_to_tokens(tmp_path):
     bind_values(records, [np.frombuffer(bytes(value), np.uint8), np.frombuffer(garbage, np.uint8)],
                 [readings, readings], Bindings.of([ours]))
     assert records[0].verdicts == [] and records[1].verdicts == ["WEIGHTS_MISMATCH"]
+
+
+def _attention_page(v_rows: np.ndarray, heads: int, rng, order: str = "cpu") -> np.ndarray:
+    """One layer's page of (heads, tokens, 2 * head) float32 numbers whose tokens' V (over the heads)
+    is `v_rows`, K random: "cpu" as vLLM 0.32's CPU backend keeps it (a head's K of every token,
+    then its V), "tokens" as (tokens, heads, k|v)."""
+    tokens, size = len(v_rows), v_rows.shape[1] // heads
+    v = v_rows.reshape(tokens, heads, size)
+    k = rng.standard_normal(v.shape)
+    if order == "cpu":
+        return np.stack([k, v], axis=0).transpose(2, 0, 1, 3).astype(np.float32)  # (heads, K|V, tokens, dim)
+    return np.stack([k, v], axis=2).astype(np.float32)  # (tokens, heads, k|v, dim)
+
+
+def test_attention_values_are_bound_by_layer_0s_v_rows(tmp_path):
+    """A Llama's layer-0 V rows are token images: a value of these weights binds (in the CPU
+    backend's order, and in a token-major page), one of other weights or garbage is WEIGHTS_MISMATCH
+    (evidence region "v"); the prefix records are not consulted (they name conv windows only)."""
+    from audit.judge.binding import Bindings, bind_values
+    from audit.judge.key import judge_read
+    from audit.prefixrecords import PrefixDigest, PrefixRecords, prefix_digest
+    from audit.records import KeyInfo
+    from tests.layouts.test_images import llama_checkpoint
+
+    ours, theirs = tmp_path / MODEL, tmp_path / "other" / MODEL
+    llama_checkpoint(ours, np.random.default_rng(0), kv_heads=2)
+    llama_checkpoint(theirs, np.random.default_rng(1), kv_heads=2)
+    layout = next(layout for layout in load_layouts(model_configs=[ours], kv_cache_dtype="float32", block_size=16,
+                                                    model_dtype="float32", tp_given=True) if layout.tp_size == 1)
+    pages = [region for _, region in layout.regions()]
+    assert [region.shape for region in pages] == [(2, 16, 8)] * 2
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, 32, 16)
+    mine, other = token_images(ours, MODEL, 1, 0).images(tokens), token_images(theirs, MODEL, 1, 0).images(tokens)
+    layer1 = rng.standard_normal(pages[1].shape).astype(np.float32)
+    values = [np.concatenate([_attention_page(rows, 2, rng, order).ravel(), layer1.ravel()]).view(np.uint8)
+              for rows, order in ((mine, "cpu"), (mine, "tokens"), (other, "cpu"))]
+    values.append(rng.standard_normal(layout.size // 4).astype(np.float32).view(np.uint8))
+    keys = [vllm_key(MODEL, f"{i:064x}") for i in range(len(values))]
+    records = [judge_read(KeyInfo(key, layout.size), layout.size, None) for key in keys]
+    for record in records:
+        record.verdicts.clear()
+    bindings = Bindings.of([ours])
+    bindings.prefixes = PrefixRecords()  # a record no V row could match: not consulted
+    bindings.prefixes.add(f"{0:064x}", PrefixDigest(3, prefix_digest([99, 99, 99])))
+    bind_values(records, values, [(layout,)] * len(values), bindings)
+    assert [record.verdicts for record in records] == [[], [], ["WEIGHTS_MISMATCH"], ["WEIGHTS_MISMATCH"]]
+    evidence = records[2].evidence["weights_mismatch"]
+    assert evidence["region"] == "v" and len(evidence["rows"]) == 16
+    assert min(row["distance"] for row in evidence["rows"]) > evidence["row_tolerance"]
+    assert bindings.summary()["bound"] == [MODEL] and bindings.summary()["not_bound"] == {}

@@ -70,10 +70,10 @@ def test_what_is_not_bound_says_why(tmp_path):
     (tmp_path / "noweights" / "config.json").write_text(json.dumps({"model_type": "mamba2"}))
     with pytest.raises(LayoutError, match="no safetensors"):
         token_images(tmp_path / "noweights", "m", 1, 0)
-    (tmp_path / "llama").mkdir()
-    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "mla").mkdir()
+    (tmp_path / "mla" / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
     with pytest.raises(LayoutError, match="no layer-0 image rule"):
-        token_images(tmp_path / "llama", "m", 1, 0)
+        token_images(tmp_path / "mla", "m", 1, 0)
     tiny_mamba2_checkpoint(tmp_path / "int8")
     path = tmp_path / "int8" / "model.safetensors"
     path.write_bytes(path.read_bytes().replace(b'"F32"', b'"I8" ', 1))
@@ -184,3 +184,57 @@ def test_a_biased_projection_is_not_bound(tmp_path):
                       {**tensors, "model.layers.0.conv.in_proj.bias": np.zeros(24, dtype=np.float32)})
     with pytest.raises(LayoutError, match="bias"):
         token_images(tmp_path / "lfm2", "lfm2", 1, 0)
+
+
+HEAD = 4  # the tiny Llama's head_dim
+
+
+def llama_checkpoint(directory, rng, kv_heads: int = 2, model_type: str = "llama", **tensors) -> dict:
+    """A Llama of hidden 8: 4 attention heads of 4, `kv_heads` KV heads; layer 0's tensors only."""
+    config = {"model_type": model_type, "architectures": ["LlamaForCausalLM"], "hidden_size": 8,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": kv_heads, "head_dim": HEAD,
+              "vocab_size": 32, "rms_norm_eps": 1e-5}
+    return _checkpoint(directory, config, {
+        "model.embed_tokens.weight": rng.standard_normal((32, 8)).astype(np.float32),
+        "model.layers.0.input_layernorm.weight": (1 + 0.1 * rng.standard_normal(8)).astype(np.float32),
+        "model.layers.0.self_attn.v_proj.weight": rng.standard_normal((kv_heads * HEAD, 8)).astype(np.float32),
+        **tensors})
+
+
+def _v_by_vllm(tensors: dict, tokens: list[int], kv_heads: int, tp: int, rank: int) -> np.ndarray:
+    """vLLM's llama.py at layer 0 for one rank: input_layernorm, then qkv_proj's v shard, which
+    QKVParallelLinear.weight_loader narrows to the heads of ``tp_rank // num_kv_head_replicas``."""
+    num_kv_heads = 1 if kv_heads < tp else kv_heads // tp
+    replicas = tp // kv_heads if kv_heads < tp else 1
+    shard_size = num_kv_heads * HEAD
+    start = rank // replicas * shard_size
+    v = tensors["model.layers.0.self_attn.v_proj.weight"][start:start + shard_size]
+    n = _rms_normed(tensors["model.embed_tokens.weight"][tokens], tensors["model.layers.0.input_layernorm.weight"])
+    return (n @ v.T).astype(np.float32)
+
+
+@pytest.mark.parametrize("kv_heads, tp", [(1, 1), (2, 1), (2, 2), (1, 2), (2, 4), (4, 2)])
+def test_llama_v_images_are_each_ranks_kv_heads(tmp_path, monkeypatch, kv_heads, tp):
+    # fewer KV heads than ranks: each head replicated onto tp // kv_heads ranks (FACTS §8)
+    monkeypatch.setenv("MOONCAKE_AUDIT_CACHE", str(tmp_path / "cache"))
+    tensors = llama_checkpoint(tmp_path / "llama", np.random.default_rng(6), kv_heads=kv_heads)
+    tokens = [0, 5, 31]
+    for rank in range(tp):
+        images = token_images(tmp_path / "llama", "llama", tp, rank)
+        assert images.region == "v" and images.columns == max(1, kv_heads // tp) * HEAD
+        expected = _v_by_vllm(tensors, tokens, kv_heads, tp, rank)
+        np.testing.assert_allclose(images.images(tokens), expected, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(images.table[tokens], expected[:, images.check_columns], rtol=1e-4, atol=1e-6)
+
+
+def test_attention_rules_not_proved_are_not_bound(tmp_path):
+    rng = np.random.default_rng(7)
+    llama_checkpoint(tmp_path / "biased", rng, **{"model.layers.0.self_attn.v_proj.bias": np.zeros(8, np.float32)})
+    with pytest.raises(LayoutError, match="bias"):
+        token_images(tmp_path / "biased", "m", 1, 0)
+    llama_checkpoint(tmp_path / "gemma", rng, model_type="gemma")  # its normalizer and 1 + w norm
+    with pytest.raises(LayoutError, match="not bound"):
+        token_images(tmp_path / "gemma", "m", 1, 0)
+    llama_checkpoint(tmp_path / "three", rng, kv_heads=3)
+    with pytest.raises(LayoutError, match="shard"):
+        token_images(tmp_path / "three", "m", 2, 0)
