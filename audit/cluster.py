@@ -3,8 +3,9 @@
 Used by `mooncake-audit demo`, the test fixtures and the benchmarks. Every process is started
 on 127.0.0.1 with free ports, and torn down by PID (also on exceptions and Ctrl-C, through the
 context manager); the embedded metadata server and admin port are asked to bind to loopback.
-With `offload`, the holders also keep an SSD tier (Mooncake's bucket backend, eager: every put
-reaches the disk about a second later), so a test can have memory-only, disk-only and both.
+With `offload`, the holders also keep an SSD tier (Mooncake's bucket backend, or with `backend`
+its file-per-key one; eager: every put reaches the disk about a second later, or with
+`offload_on_evict` only when memory evicts it), so a test can have memory-only, disk-only and both.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from audit.sources.listing import TIERS
 
 OFFLOAD_STAGING_BYTES = 64 << 20  # a holder's buffer for values on their way to and from its disk
 FILE_CAPACITY = "master_total_file_capacity_bytes"  # grows as each offloading holder mounts its disk
+BACKENDS = {"bucket": "bucket_storage_backend", "file_per_key": "file_per_key_storage_backend"}  # SSD-tier formats
 
 
 class ClusterError(RuntimeError):
@@ -71,7 +73,7 @@ class Holder:
     port: int
     process: subprocess.Popen
     segment: str = ""
-    offload_dir: Path | None = None  # where it writes its SSD tier (`<id>.bucket`, `<id>.meta`), if offloading
+    offload_dir: Path | None = None  # where it writes its SSD tier (`<id>.bucket` and `.meta`, or key files), if any
 
 
 @dataclass
@@ -86,6 +88,8 @@ class LocalCluster:
     offload: bool = False  # holders offload every put to a directory of their own (bucket backend, eager)
     promote_after: int | None = None  # with offload: a disk-only key read this many times is copied back to memory
     bucket_keys: int = 1  # with offload: keys per bucket file (Mooncake's 500 would keep a test's keys off the disk)
+    backend: str = "bucket"  # with offload: the holders' SSD-tier format, a key of BACKENDS
+    offload_on_evict: bool = False  # with offload: a value reaches the disk when memory evicts it, not after its put
     log_dir: Path | None = None
     metadata_port: int = field(default_factory=free_port)
     rpc_port: int = field(default_factory=free_port)
@@ -139,6 +143,8 @@ class LocalCluster:
             args.append(f"--client_ttl={self.client_ttl_s}")
         if self.offload:
             args.append("--enable_offload=true")
+        if self.offload_on_evict:
+            args.append("--offload_on_evict=true")
         if self.promote_after is not None:
             args += ["--promotion_on_hit=true", f"--promotion_admission_threshold={self.promote_after}"]
         if self.tenants:  # every tenant needs a policy, the default included: a put into one without fails
@@ -202,6 +208,7 @@ class LocalCluster:
             return None
         return {**os.environ,
                 "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": str(offload_dir),
+                "MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": BACKENDS[self.backend],
                 "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT": str(self.bucket_keys),
                 "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS": "1",
                 "MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES": str(OFFLOAD_STAGING_BYTES),

@@ -104,7 +104,7 @@ ReadMode = Annotated[str, typer.Option("--read-mode", envvar="MOONCAKE_AUDIT_REA
 OffloadDir = Annotated[Optional[list[Path]], typer.Option(
     "--offload-dir", envvar="MOONCAKE_AUDIT_OFFLOAD_DIR", metavar="DIR",
     help="A holder's SSD offload directory on this host (its MOONCAKE_OFFLOAD_FILE_STORAGE_PATH): the disk copy "
-         "of each key also in memory is read from its bucket files and compared (REPLICA_DIVERGENT), values there "
+         "of each key also in memory is read from its offload files (bucket or file-per-key backend) and compared (REPLICA_DIVERGENT), values there "
          "that no master lists are named, and with --read-mode peek the disk-only keys are read from the files, "
          "with no lease and no promotion. Repeatable.")]
 PurgedLog = Annotated[Optional[list[Path]], typer.Option(

@@ -8,10 +8,16 @@ from typing import Annotated, Optional
 import typer
 
 from audit.commands.common import check_choice, check_plan, fail, resolve_settings
-from audit.commands.options import (MaxBandwidth, ReadMode, block_table_options, connection_options, key_options,
-                                    model_options, pick, read_options, takes)
+from audit.commands.options import (MaxBandwidth, PurgedLog, ReadMode, block_table_options, connection_options,
+                                    key_options, model_options, pick, read_options, takes)
 from audit.errors import AuditError
 from audit.report.inert import printable
+
+WatchOffloadDir = Annotated[Optional[list[Path]], typer.Option(
+    "--offload-dir", envvar="MOONCAKE_AUDIT_OFFLOAD_DIR", metavar="DIR",
+    help="A holder's SSD offload directory on this host (its MOONCAKE_OFFLOAD_FILE_STORAGE_PATH): with --read-mode "
+         "peek, disk-only keys are read from its files (bucket or file-per-key backend), with no lease and no "
+         "promotion. Repeatable.")]
 
 
 @takes(connection_options, key_options, read_options, model_options, block_table_options)
@@ -31,7 +37,8 @@ def watch(*, state_dir: Annotated[Optional[Path], typer.Option(
           listen: Annotated[str, typer.Option(
               "--listen", envvar="MOONCAKE_AUDIT_LISTEN", help="HOST:PORT for /metrics and /healthz.")]
           = "127.0.0.1:9310",
-          max_bandwidth: MaxBandwidth = None, read_mode: ReadMode = "peek", **options) -> None:
+          max_bandwidth: MaxBandwidth = None, read_mode: ReadMode = "peek", offload_dir: WatchOffloadDir = None,
+          purged: PurgedLog = None, **options) -> None:
     """Scrub continuously: every new key within seconds of its listing, every key once per period.
 
     Runs until SIGTERM or SIGINT (exit 0, state flushed); exit 2 if it cannot start.
@@ -50,6 +57,7 @@ def watch(*, state_dir: Annotated[Optional[Path], typer.Option(
         read = pick(options, read_options)
         placement = resolve_placement(read.pop("device"), read.pop("checker"), read_mode)
         scan_options = ScanOptions(plan=plan, placement=placement, read_mode=read_mode, max_bandwidth=max_bandwidth,
+                                   offload_dirs=tuple(offload_dir or ()), purge_logs=tuple(purged or ()),
                                    **pick(options, key_options), **read)
         watch_options = WatchOptions(state_dir=state_dir, interval_s=interval, period_s=parse_duration(period),
                                      window=None if window is None else parse_window(window), listen=listen,

@@ -1,6 +1,7 @@
 """Every way bytes arrive: lease reads (`lease`, through `batch_get_into`), lease-free raw reads of
 every replica (`peek`, with `engine` and `descriptors`) into the registered `buffers`, and lease-free
-reads of disk-only keys from a holder's bucket files on its host (`disk`, with `buckets`); optionally
+reads of disk-only keys from a holder's offload files on its host (`disk`, with `offload_index` over
+`buckets` and `key_files`); optionally
 paced by `throttle`; `confirm` re-reads a finding, `replicas` compares the replicas of one key."""
 
 from audit.readers.confirm import Confirmation, KeyRead, apply_confirmation

@@ -1,4 +1,5 @@
-"""Mooncake's SSD tier on a holder's disk (the bucket backend, FACTS §11), read as files.
+"""Mooncake's SSD tier on a holder's disk (the bucket backend, FACTS §11), read as files
+(`audit.readers.offload_index` indexes them beside the file-per-key backend's).
 
 A holder that offloads writes each bucket as two files in its `MOONCAKE_OFFLOAD_FILE_STORAGE_PATH`:
 `<id>.bucket`, its records back to back with no header, each `[tenant \\0 key][value]`, and
@@ -10,29 +11,33 @@ is complete, so a `.bucket` without one is still being written and is left alone
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from audit.errors import AuditError
-
 
 class StoredValue(NamedTuple):
-    """Where one key's value lies in a bucket file: `offset` is its record's (the stored key
-    first, `key_size` bytes long, then `size` bytes of value)."""
+    """Where one key's value lies in a file: `offset` is its record's, which begins with `head`
+    (a bucket's: the stored key; a file-per-key file's: its protobuf up to the value's bytes),
+    then `size` bytes of value."""
 
     path: Path
     offset: int
-    key_size: int
     size: int
-    stored_key: bytes  # `tenant \0 key`, as the record begins
+    stored_key: bytes  # `tenant \0 key`
+    head: bytes
 
     @property
     def value_offset(self) -> int:
-        return self.offset + self.key_size
+        return self.offset + len(self.head)
+
+    @property
+    def in_bucket(self) -> bool:
+        """Whether the value lies in a bucket (many keys per file) rather than a file of its own."""
+        return self.path.suffix == ".bucket"
 
 
-def _varint(data: bytes, at: int) -> tuple[int, int]:
+def read_varint(data: bytes, at: int) -> tuple[int, int]:
     value = shift = 0
     while True:
         if at >= len(data):
@@ -51,13 +56,13 @@ def _spans(data: bytes) -> Iterator[tuple[int, int | bytes, int, int]]:
     at = 0
     while at < len(data):
         start = at
-        tag, at = _varint(data, at)
+        tag, at = read_varint(data, at)
         number, wire = tag >> 3, tag & 7
         if wire == 0:
-            value, at = _varint(data, at)
+            value, at = read_varint(data, at)
             yield number, value, start, at
         elif wire == 2:
-            length, at = _varint(data, at)
+            length, at = read_varint(data, at)
             if at + length > len(data):
                 raise ValueError("truncated field")
             yield number, data[at:at + length], start, at + length
@@ -85,8 +90,9 @@ def bucket_values(meta: Path) -> list[StoredValue]:
     if len(keys) != len(places):
         raise ValueError(f"{len(keys)} keys but {len(places)} places")
     bucket = meta.with_suffix(".bucket")
-    return [StoredValue(bucket, offset, key_size, size, key)
-            for key, (offset, key_size, size) in zip(keys, places)]
+    if any(key_size != len(key) for key, (_, key_size, _) in zip(keys, places)):
+        raise ValueError("a key_size differs from its key's length")
+    return [StoredValue(bucket, offset, size, key, key) for key, (offset, _, size) in zip(keys, places)]
 
 
 def meta_without(meta: bytes, stored_keys: set[bytes]) -> tuple[bytes, int]:
@@ -106,49 +112,5 @@ def meta_without(meta: bytes, stored_keys: set[bytes]) -> tuple[bytes, int]:
     return kept, len(key_spans) - len(dropped) // 2
 
 
-def buckets_holding(directories: Iterable[Path], stored_keys: set[bytes]) -> dict[Path, list[StoredValue]]:
-    """Every complete bucket of `directories` that lists one of `stored_keys`, by `.meta` path, with
-    those keys' values: all of them, not only the newest (a restarted holder registers each)."""
-    found: dict[Path, list[StoredValue]] = {}
-    for directory in map(Path, directories):
-        if not directory.is_dir():
-            raise AuditError(f"offload directory {directory} does not exist")
-        for meta in sorted(directory.glob("*.meta")):
-            try:
-                values = [value for value in bucket_values(meta) if value.stored_key in stored_keys]
-            except FileNotFoundError:
-                continue
-            except (OSError, ValueError) as error:
-                raise AuditError(f"cannot read offload metadata {meta}: {error}") from None
-            if values:
-                found[meta] = values
-    return found
-
-
 def stored_key(tenant: str, key: str) -> bytes:
     return tenant.encode() + b"\0" + key.encode("utf-8", "surrogateescape")
-
-
-def index_directories(directories: Iterable[Path]) -> dict[bytes, StoredValue]:
-    """Every complete bucket's values in `directories`, by stored key (`stored_key`). A key that
-    several buckets hold (removed or evicted, then put again) maps to the newest bucket's."""
-    metas = []
-    for directory in map(Path, directories):
-        if not directory.is_dir():
-            raise AuditError(f"offload directory {directory} does not exist")
-        for meta in directory.glob("*.meta"):
-            try:
-                if meta.with_suffix(".bucket").exists():
-                    metas.append((meta.stat().st_mtime_ns, meta))
-            except FileNotFoundError:  # evicted from the disk meanwhile
-                continue
-    index: dict[bytes, StoredValue] = {}
-    for _, meta in sorted(metas):
-        try:
-            values = bucket_values(meta)
-        except FileNotFoundError:
-            continue
-        except (OSError, ValueError) as error:
-            raise AuditError(f"cannot read offload metadata {meta}: {error}") from None
-        index.update((value.stored_key, value) for value in values)
-    return index

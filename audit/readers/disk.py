@@ -1,4 +1,5 @@
-"""Lease-free reads of disk-only keys: the value read from the holder's bucket files on this host.
+"""Lease-free reads of disk-only keys: the value read from the holder's offload files on this host
+(bucket or file-per-key backend, `audit.readers.offload_index`).
 
 A key whose only replica is on a holder's SSD has no address a transfer engine can read, and
 the store client reads it through the holder's offload RPC: that grants the key a lease (the
@@ -24,10 +25,11 @@ import xxhash
 
 from audit.connection import AdminClient
 from audit.errors import ERROR_NAMES, MOVED, NOT_PEEKABLE
-from audit.readers.buckets import StoredValue, index_directories, stored_key
+from audit.readers.buckets import StoredValue, stored_key
 from audit.readers.buffers import ALIGNMENT, FetchedBatch, HostBuffer, Slot, plan_batches
 from audit.readers.confirm import Confirmation, KeyRead, confirmation_of
 from audit.readers.descriptors import Replica, query_answers, replicas_of
+from audit.readers.offload_index import index_directories
 from audit.readers.replicas import judge_disk_copy
 from audit.records import KeyInfo, KeyRecord, Verdict
 
@@ -50,7 +52,7 @@ def _disk_sizes(answer: dict | None) -> set[int] | None:
 
 class DiskReader:
     """Same interface as `audit.readers.PeekReader`, for the default tenant's disk-only keys whose
-    holder's offload directory (`MOONCAKE_OFFLOAD_FILE_STORAGE_PATH`, bucket backend) is on this host."""
+    holder's offload directory (`MOONCAKE_OFFLOAD_FILE_STORAGE_PATH`, either backend) is on this host."""
 
     mode = "disk"
 
@@ -74,7 +76,7 @@ class DiskReader:
         return self.index.get(stored_key(DEFAULT_TENANT, key.name))
 
     def order(self, keys: Sequence[KeyInfo]) -> list[KeyInfo]:
-        """Keys by bucket file and offset: a directory read front to back (keys not found first)."""
+        """Keys by file and offset: a directory read front to back (keys not found first)."""
         def place(key: KeyInfo) -> tuple[str, int]:
             value = self._stored(key)
             return ("", 0) if value is None else (str(value.path), value.offset)
@@ -117,21 +119,21 @@ class DiskReader:
                   files: dict[Path, int]) -> tuple[StoredValue | None, int, int | None]:
         """The stored value read into the slot: where it was, 0 or a negative code, its XXH3-64."""
         value = self._stored(slot.key)
-        if value is None or "," in slot.key.name:  # no bucket here holds it, or the master cannot be asked of it
+        if value is None or "," in slot.key.name:  # no file here holds it, or the master cannot be asked of it
             return None, NOT_PEEKABLE, None
         if value.size != slot.key.size:
-            return value, MOVED, None  # the bucket holds another value once stored under that name
+            return value, MOVED, None  # the file holds another value once stored under that name
         into = buffer.array[slot.offset:slot.offset + value.size]
-        prefix = bytearray(value.key_size)
+        head = bytearray(len(value.head))
         try:
             if value.path not in files:
                 files[value.path] = os.open(value.path, os.O_RDONLY)
-            read = os.preadv(files[value.path], [prefix, into], value.offset)
+            read = os.preadv(files[value.path], [head, into], value.offset)
         except FileNotFoundError:
-            return value, MOVED, None  # the bucket left the disk (evicted) since it was indexed
+            return value, MOVED, None  # the file left the disk (evicted) since it was indexed
         except OSError:
             return value, TRANSFER_FAIL, None
-        if read != value.key_size + value.size or bytes(prefix) != value.stored_key:
+        if read != len(head) + value.size or bytes(head) != value.head:
             return value, TRANSFER_FAIL, None
         return value, 0, xxhash.xxh3_64_intdigest(into)
 
@@ -204,17 +206,17 @@ class DiskCopies:
         row = {"tier": "local_disk", "file": str(value.path), "offset": value.value_offset, "size": value.size,
                "xxh3": None, "status": "ok"}
         try:
-            with open(value.path, "rb") as bucket:
-                record = os.pread(bucket.fileno(), value.key_size + value.size, value.offset)
-        except FileNotFoundError:  # the bucket left the disk (evicted) since it was indexed
+            with open(value.path, "rb") as stored:
+                record = os.pread(stored.fileno(), len(value.head) + value.size, value.offset)
+        except FileNotFoundError:  # the file left the disk (evicted) since it was indexed
             return {**row, "status": "moved", "error": {"code": MOVED, "name": ERROR_NAMES.get(MOVED, "MOVED")}}
         except OSError as error:
             return {**row, "status": "failed", "error": {"code": TRANSFER_FAIL, "name": "TRANSFER_FAIL",
                                                          "message": error.strerror}}
-        if len(record) != value.key_size + value.size or record[:value.key_size] != value.stored_key:
+        if len(record) != len(value.head) + value.size or not record.startswith(value.head):
             return {**row, "status": "failed", "error": {"code": TRANSFER_FAIL, "name": "TRANSFER_FAIL",
-                                                         "message": "the bucket does not hold the key's record there"}}
-        return {**row, "xxh3": f"{xxhash.xxh3_64_intdigest(memoryview(record)[value.key_size:]):016x}"}
+                                                         "message": "the file does not hold the key's record there"}}
+        return {**row, "xxh3": f"{xxhash.xxh3_64_intdigest(memoryview(record)[len(value.head):]):016x}"}
 
     def _still_listed(self, key: KeyInfo, row: dict) -> bool:
         """Whether the master lists the key now as it did when its memory copy was read."""

@@ -7,6 +7,9 @@ SQLite. Unreachable keys keep their old stamp and are read again next round; a l
 with backoff; SIGTERM or SIGINT ends the round in flight between batches and flushes the state.
 Between rounds, with block tables, the recorder's files are tailed in short slices, and the keys new
 records name are read and judged at once in a record round, without a listing (docs/watch.md).
+On a tiered store, peek reads with offload directories (`--offload-dir`) read disk-only keys from
+the holder's files, lease-free; with purge logs (`--purged`), a purged key listed again with its
+purged bytes is flagged PURGED_RETURNED.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from audit.connection import AdminClient, Settings, open_store
 from audit.errors import AuditError
 from audit.judge.chunks import CHUNK_VERDICTS, ChunkIndex, clear_chunk_verdicts
 from audit.judge.merge import merge_records
+from audit.judge.purged import PurgedKeys
+from audit.readers.disk import DiskReader
 from audit.readers.throttle import ThrottledReader
 from audit.records import KeyInfo, KeyRecord, Verdict
 from audit.report.watch_metrics import MetricsServer, WatchMetrics
@@ -138,6 +143,7 @@ class Watcher:
         self.admin = AdminClient(settings.admin)
         self.metrics = WatchMetrics()
         self.feed = _RecordFeed(options)
+        self.purged = PurgedKeys(self.scan.purge_logs) if self.scan.purge_logs else None
         self._store = None
         self._fitted_sizes: set[int | None] = set()
         self._reader = None
@@ -419,25 +425,44 @@ class Watcher:
         if not keys:
             self.metrics.bytes_per_second.set(0)
             return [], rejudged, None, {}
-        reader = base = self._reader_for(admin, keys)
-        if self.scan.max_bandwidth:
-            reader = ThrottledReader(reader, self.scan.max_bandwidth, stop)
         watch = MasterWatch(admin, stop)
         started = time.perf_counter()
-        hook = after_batch_hook(getattr(base, "confirm", None), None, watch)
         records, read_at = [], {}
-        for record in scan_keys(keys, reader, self.checker, self.scan.plan, stop=stop, on_batch=hook):
-            records.append(record)
-            read_at[record.key] = time.time()
+        disk, on_disk, keys = self._disk_reading(admin, keys)
+        if on_disk:
+            self._scan(on_disk, disk, stop, watch, records, read_at)
+        if keys and not stop.is_set():
+            self._scan(keys, self._reader_for(admin, keys), stop, watch, records, read_at)
         earlier = state.same_content(records)
-        if hasattr(base, "confirm") and not watch.lost:
-            confirm_shared(records + earlier, base)
+        if hasattr(self._reader, "confirm") and not watch.lost:  # a peek reader's second read (disk-only: leased)
+            confirm_shared(records + earlier, self._reader)
+        if self.purged is not None:
+            for record in records:
+                self.purged.judge(record)
         elapsed = time.perf_counter() - started
         read_bytes = sum(record.size or 0 for record in records if record.xxh3 is not None)
         self.metrics.bytes_scanned.inc(read_bytes)
         self.metrics.bytes_per_second.set(read_bytes / elapsed if elapsed > 0 else 0)
         merge_records(records + earlier, context={}, keys_listed=keys_listed, chunks=chunks)  # cross-key verdicts
         return records, earlier + rejudged, watch.lost, read_at
+
+    def _disk_reading(self, admin: AdminClient,
+                      keys: list[KeyInfo]) -> tuple[DiskReader | None, list[KeyInfo], list[KeyInfo]]:
+        """A disk reader of the offload directories, indexed afresh each round (peek reads only), the
+        disk-only keys they hold, which it reads, and the rest."""
+        if self.scan.read_mode != "peek" or not self.scan.offload_dirs:
+            return None, [], keys
+        disk = DiskReader(admin, self.scan.offload_dirs, buffer_bytes(keys, self.scan))
+        return disk, [key for key in keys if disk.holds(key)], [key for key in keys if not disk.holds(key)]
+
+    def _scan(self, keys: list[KeyInfo], base, stop: threading.Event, watch: MasterWatch,
+              records: list[KeyRecord], read_at: dict[str, float]) -> None:
+        """`keys` read through `base` (paced by --max-bandwidth), findings confirmed by its second read."""
+        reader = ThrottledReader(base, self.scan.max_bandwidth, stop) if self.scan.max_bandwidth else base
+        hook = after_batch_hook(getattr(base, "confirm", None), None, watch)
+        for record in scan_keys(keys, reader, self.checker, self.scan.plan, stop=stop, on_batch=hook):
+            records.append(record)
+            read_at[record.key] = time.time()
 
     @staticmethod
     def _chunk_rejudge(state: WatchState, keys: list[KeyInfo], chunks: ChunkIndex | None) -> list[KeyRecord]:

@@ -15,7 +15,8 @@ import xxhash
 
 from audit.cluster import LocalCluster
 from audit.connection import open_store
-from audit.readers.buckets import index_directories, stored_key
+from audit.readers.buckets import stored_key
+from audit.readers.offload_index import index_directories
 from tests.conftest import settings_for
 from tests.helpers import by_key, run_cli, scan_json
 from tests.readers.test_disk_copies import (
@@ -37,25 +38,32 @@ def _report(cluster: LocalCluster, key: str, path) -> None:
     assert [record["key"] for record in json.loads(path.read_text())["findings"]] == [key]
 
 
+def _purge_with_copy(cluster: LocalCluster, tmp_path):
+    """The application removes REMOVED (its disk copy stays, and comes back); `purge --yes
+    --offload-dir` purges PURGED: (holder, the file that held PURGED's copy, evidence directory,
+    the purge's result, the copy's saved bytes)."""
+    holder = cluster.running_holders[0]
+    store = open_store(settings_for(cluster))
+    try:
+        remove(store, REMOVED)
+    finally:
+        store.close()
+    held_in = index_directories([holder.offload_dir])[stored_key("default", PURGED)].path
+    _report(cluster, PURGED, tmp_path / "purged.json")
+    evidence = tmp_path / "evidence"
+    done = run_cli("purge", str(tmp_path / "purged.json"), *cli_args(cluster), "--yes", "--evidence", str(evidence),
+                   "--offload-dir", str(holder.offload_dir))
+    assert done.exit_code == 0, done.output
+    (saved,) = (evidence / "disk-copies").glob("*.gz")
+    return holder, held_in, evidence, done, saved
+
+
 def test_a_purged_key_stays_gone_after_a_holder_restart(tmp_path):
     with LocalCluster(holders=1, segment_mb=64, offload=True, bucket_keys=BUCKET_KEYS, client_ttl_s=3,
                       log_dir=tmp_path) as cluster:
         values = fill(cluster, "sticks", zero={1, 6})
-        holder = cluster.running_holders[0]
+        holder, bucket_of_purged, evidence, done, saved = _purge_with_copy(cluster, tmp_path)
         offload_dir = holder.offload_dir
-        store = open_store(settings_for(cluster))
-        try:
-            remove(store, REMOVED)  # the application's remove: its disk copy stays, and comes back
-        finally:
-            store.close()
-        bucket_of_purged = index_directories([offload_dir])[stored_key("default", PURGED)].path
-
-        _report(cluster, PURGED, tmp_path / "purged.json")
-        evidence = tmp_path / "evidence"
-        done = run_cli("purge", str(tmp_path / "purged.json"), *cli_args(cluster), "--yes", "--evidence", str(evidence),
-                       "--offload-dir", str(offload_dir))
-        assert done.exit_code == 0, done.output
-        (saved,) = (evidence / "disk-copies").glob("*.gz")
         assert done.stdout.splitlines() == [
             f"removed      {PURGED}",
             f"disk-copy    {PURGED}: meta-rewritten {bucket_of_purged} (bytes in disk-copies/{saved.name})"]
@@ -111,3 +119,34 @@ def test_a_purged_key_stays_gone_after_a_holder_restart(tmp_path):
         cluster.restart_holder(holder)
         cluster.wait_held([REMOVED], "local_disk")
         assert set(cluster.tiers(values)) == set(values) - {PURGED, LEFT_ON_DISK}
+
+
+def test_a_purged_key_file_stays_gone_after_a_holder_restart(tmp_path):
+    """The file-per-key backend: the purged key's KVEntry file is moved into the evidence directory
+    (its bytes saved first), so the restarted holder does not register it again; a key removed by
+    the application keeps its file and comes back."""
+    with LocalCluster(holders=1, segment_mb=64, offload=True, backend="file_per_key", client_ttl_s=3,
+                      log_dir=tmp_path) as cluster:
+        values = fill(cluster, "sticks", zero={1, 6})
+        holder, key_file, evidence, done, saved = _purge_with_copy(cluster, tmp_path)
+        offload_dir = holder.offload_dir
+        assert done.stdout.splitlines() == [
+            f"removed      {PURGED}",
+            f"disk-copy    {PURGED}: file-moved {key_file} (bytes in disk-copies/{saved.name})"]
+        assert gzip.decompress(saved.read_bytes()) == bytes(VALUE_BYTES)
+        (moved,) = (evidence / "disk-copies").glob("*.orig")
+        assert not key_file.exists() and moved.read_bytes().endswith(bytes(VALUE_BYTES))  # the whole KVEntry kept
+        assert set(index_directories([offload_dir])) == {stored_key("default", key) for key in values if key != PURGED}
+
+        cluster.restart_holder(holder)
+        kept = [key for key in values if key != PURGED]
+        cluster.wait_held(kept, "local_disk")  # the holder's scan of its key files registers them one by one
+        back = cluster.tiers(values)
+        assert set(back) == set(values) - {PURGED} and all(tiers == {"local_disk"} for tiers in back.values())
+        _, rescan = scan_json([*cli_args(cluster), "--prefix", "sticks/", "--read-mode", "peek", "--all",
+                               "--offload-dir", str(offload_dir)])
+        records = by_key(rescan)
+        assert set(records) == set(values) - {PURGED} and rescan["summary"]["verdicts"] == {"ZERO_VALUE": 1}
+        for key, record in records.items():  # read from the key files, lease-free
+            assert record["xxh3"] == f"{xxhash.xxh3_64_intdigest(values[key]):016x}", key
+            assert record["evidence"]["replicas"][0]["file"].startswith(str(offload_dir)), key

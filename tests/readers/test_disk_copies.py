@@ -15,7 +15,8 @@ import xxhash
 
 from audit.cluster import LocalCluster
 from audit.connection import open_store
-from audit.readers.buckets import index_directories, stored_key
+from audit.readers.buckets import stored_key
+from audit.readers.offload_index import index_directories
 from tests.conftest import settings_for
 from tests.helpers import by_key, run_cli, scan_json
 from tests.readers.test_tiered import put_on_disk

@@ -1,0 +1,141 @@
+"""The disk tier's read rate, whole process (issue #41): `check --read-mode peek --offload-dir DIR`
+on a store whose keys are all disk-only, against `cat` reading the same bucket files raw on the same
+host, run in turn (A B, B A, ...), each timed from spawn to reaped exit.
+
+    python -m benchmarks.disk_tier [--keys 1024] [--value-kib 1024] [--bucket-keys 1] [--runs 5]
+
+The store: one `LocalCluster` holder offloading eagerly (bucket backend, `--bucket-keys` per bucket),
+`--keys` values put (one in 50 all zero) and waited for on disk; then the holder restarts, and at
+start-up registers every key from its buckets: every key is disk-only, its bytes only in the files.
+Rates are bytes per wall second: the values' bytes for `check`, the bucket files' for `cat` (the
+stored keys too); the ratio is check's rate over cat's, pair by pair, and its median is quoted. The
+page cache holds the files for both (the warm-up reads them), so this is the read path's cost, not
+the SSD's. Every `check` report is verified: every key read from its bucket file, exactly the zero
+values flagged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+from audit.cluster import LocalCluster  # noqa: E402
+from audit.connection import Settings, open_store  # noqa: E402
+from benchmarks.common import machine, text_table  # noqa: E402
+from benchmarks.paired import ROOT, child_env, connection_flags, run  # noqa: E402
+
+PREFIX = "disk-tier/"
+ZERO_EVERY = 50
+PUT_RETRY_S = 0.05
+NO_SPACE = -200
+PART_BYTES = 32 << 20  # put between waits for the disk: faster, the holder's 64 MiB staging buffer drops offloads
+
+
+def build_store(cluster: LocalCluster, keys: int, value_bytes: int) -> set[str]:
+    """`keys` values put on the holder, a part at a time, each part waited for on disk (put back to
+    back, 1,024 values of 1 MiB left 825 MB on disk and the rest never offloaded), then the holder
+    restarted: every key disk-only. The zero keys' names."""
+    settings = Settings(master=cluster.master_address, metadata=cluster.metadata_url, admin=cluster.admin_url,
+                        local_hostname="127.0.0.1")
+    store = open_store(settings)
+    names, zero = [f"{PREFIX}{index:06d}" for index in range(keys)], set()
+    part = max(PART_BYTES // value_bytes, 1)
+    try:
+        for first in range(0, keys, part):
+            for index in range(first, min(first + part, keys)):
+                value = bytes(value_bytes) if index % ZERO_EVERY == 0 else os.urandom(value_bytes)
+                while (code := store.put(names[index], value)) == NO_SPACE:
+                    time.sleep(PUT_RETRY_S)
+                if code != 0:
+                    raise RuntimeError(f"put {names[index]}: {code}")
+                if index % ZERO_EVERY == 0:
+                    zero.add(names[index])
+            cluster.wait_held(names[first:first + part], "local_disk", timeout_s=60)
+    finally:
+        store.close()
+    cluster.restart_holder(cluster.running_holders[0], timeout_s=120)
+    cluster.wait_held(names, "local_disk", timeout_s=120)
+    tiers = cluster.tiers(names)
+    if tiers != {name: {"local_disk"} for name in names}:
+        raise RuntimeError(f"{sum(held != {'local_disk'} for held in tiers.values())} keys not disk-only")
+    return zero
+
+
+def verified(report: Path, keys: int, zero: set[str], offload_dir: Path) -> None:
+    """The check read every key from its bucket file and flagged exactly the zero values."""
+    document = json.loads(report.read_text())
+    summary = document["summary"]
+    flagged = {record["key"] for record in document["findings"]}
+    from_files = all(row["file"].startswith(str(offload_dir)) for record in document["keys"]
+                     for row in record["evidence"]["replicas"])
+    if summary["keys_scanned"] != keys or flagged != zero or summary["verdicts"] != {"ZERO_VALUE": len(zero)} \
+            or not from_files:
+        raise RuntimeError(f"check's report is not the store's: {summary['keys_scanned']} keys, {len(flagged)} flagged")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.disk_tier", description=__doc__.splitlines()[0])
+    parser.add_argument("--keys", type=int, default=1024)
+    parser.add_argument("--value-kib", type=int, default=1024)
+    parser.add_argument("--bucket-keys", type=int, default=1,
+                        help="keys per bucket; with 16, 5 keys of a part of 32 never reached the disk in 60 s")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--output", type=Path, help="also write the results here (JSON)")
+    args = parser.parse_args(argv)
+    value_bytes = args.value_kib << 10
+    segment_mb = 2 * (args.keys * value_bytes >> 20) + 256
+    with tempfile.TemporaryDirectory(prefix="disk-tier-") as scratch, \
+            LocalCluster(holders=1, segment_mb=segment_mb, offload=True, bucket_keys=args.bucket_keys,
+                         client_ttl_s=3, log_dir=Path(scratch)) as cluster:
+        started = time.perf_counter()
+        zero = build_store(cluster, args.keys, value_bytes)
+        print(f"store: {args.keys} disk-only keys of {args.value_kib} KiB in {time.perf_counter() - started:.0f} s",
+              file=sys.stderr)
+        offload_dir = cluster.running_holders[0].offload_dir
+        buckets = sorted(str(path) for path in offload_dir.glob("*.bucket"))
+        bucket_bytes = sum(os.path.getsize(path) for path in buckets)
+        report = Path(scratch) / "check.json"
+        check = [sys.executable, "-m", "cli", "check", *connection_flags(cluster), "--local-hostname", "127.0.0.1",
+                 "--prefix", PREFIX, "--read-mode", "peek", "--offload-dir", str(offload_dir), "--all",
+                 "--format", "json", "--output", str(report), "--no-progress", "--verbose"]
+        raw = ["cat", *buckets]
+        env = child_env()
+        walls: dict[str, list[float]] = {"check": [], "cat": []}
+        phases = ""
+        for turn in range(args.warmup + args.runs):
+            order = [("check", check), ("cat", raw)] if turn % 2 == 0 else [("cat", raw), ("check", check)]
+            for name, command in order:
+                result = run(command, env, ROOT)
+                if name == "check":
+                    verified(report, args.keys, zero, offload_dir)
+                    phases = result["stderr"]
+                if turn >= args.warmup:
+                    walls[name].append(result["wall"])
+    value_total = args.keys * value_bytes
+    rates = {"check": [value_total / wall for wall in walls["check"]],
+             "cat": [bucket_bytes / wall for wall in walls["cat"]]}
+    ratios = [check / cat for check, cat in zip(rates["check"], rates["cat"])]
+    lines = [[name, f"{statistics.median(walls[name]):.3f}", f"{min(walls[name]):.3f}", f"{max(walls[name]):.3f}",
+              f"{statistics.median(rates[name]) / 1e9:.2f}"] for name in ("check", "cat")]
+    print(text_table(["process", "wall s (median)", "min", "max", "GB/s (median)"], lines))
+    print(f"check / cat read rate, pair by pair: median {statistics.median(ratios):.3f} "
+          f"(min {min(ratios):.3f}, max {max(ratios):.3f}); goal 0.9")
+    print("check --verbose, last run:\n" + "\n".join(line for line in phases.splitlines() if "s " in line or ":" in line))
+    if args.output:
+        args.output.write_text(json.dumps({"machine": machine(), "keys": args.keys, "value_bytes": value_bytes,
+                                           "bucket_keys": args.bucket_keys, "bucket_bytes": bucket_bytes,
+                                           "walls": walls, "ratios": ratios, "check_stderr": phases}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,69 @@
+"""`watch` on a tiered store (issue #41): with `--read-mode peek --offload-dir DIR` it reads the
+disk-only keys from the holder's bucket files, lease-free, flags a disk-only value that went bad on
+disk, and with `--purged LOG` flags a purged key that a holder restart brought back.
+
+One offloading holder (bucket backend, eager, buckets of 4), 8 values of 256 KiB, two all zero:
+one of them purged (its disk copy left, no `--offload-dir`), another key's disk copy zeroed in its
+bucket; then the holder restarts and registers every key from its buckets, disk-only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import xxhash
+
+from audit.cluster import LocalCluster
+from audit.readers.buckets import stored_key
+from audit.readers.offload_index import index_directories
+from tests.helpers import run_cli
+from tests.readers.test_disk_copies import BUCKET_KEYS, VALUE_BYTES, cli_args, fill
+from tests.run.test_watch import watchers  # noqa: F401  (the fixture)
+
+PURGED, ZERO, WENT_BAD = "tiered/1", "tiered/6", "tiered/3"
+
+
+def _findings(state_dir) -> dict[str, dict]:
+    lines = (state_dir / "findings.jsonl").read_text().splitlines()
+    return {line["key"]: line for line in map(json.loads, lines)}
+
+
+def test_watch_reads_disk_only_keys_from_the_files_and_flags_a_bad_one_and_a_returned_purge(watchers, tmp_path):  # noqa: F811
+    with LocalCluster(holders=1, segment_mb=64, offload=True, bucket_keys=BUCKET_KEYS, client_ttl_s=3,
+                      log_dir=tmp_path) as cluster:
+        values = fill(cluster, "tiered", zero={1, 6})
+        holder = cluster.running_holders[0]
+        offload_dir = holder.offload_dir
+
+        report = tmp_path / "purged.json"
+        scanned = run_cli("scan", *cli_args(cluster), "--prefix", PURGED, "--read-mode", "peek", "--format", "json",
+                          "--output", str(report), "--no-progress")
+        assert scanned.exit_code == 1, scanned.output
+        done = run_cli("purge", str(report), *cli_args(cluster), "--yes", "--evidence", str(tmp_path / "evidence"))
+        assert done.exit_code == 3, done.output  # removed; its disk copy remains (no --offload-dir)
+        stored = index_directories([offload_dir])[stored_key("default", WENT_BAD)]
+        with open(stored.path, "r+b") as bucket:
+            os.pwrite(bucket.fileno(), bytes(VALUE_BYTES), stored.value_offset)
+        cluster.restart_holder(holder)
+        cluster.wait_held(values, "local_disk")  # every key registered again from its bucket, the purged one too
+        assert cluster.tiers(values) == {key: {"local_disk"} for key in values}
+
+        watcher = watchers(cli_args(cluster), "tiered/", tmp_path / "state", "--read-mode", "peek",
+                           "--offload-dir", str(offload_dir), "--purged", str(tmp_path / "evidence" / "purge-log.jsonl"))
+        metrics = watcher.wait_for(lambda m: m.get("mooncake_audit_watch_keys_verified_within_period") == len(values),
+                                   timeout_s=60)
+        assert metrics["mooncake_audit_findings"] == 3
+        assert metrics["mooncake_audit_verdict_keys{severity=error,verdict=ZERO_VALUE}"] == 3
+        assert metrics["mooncake_audit_verdict_keys{severity=error,verdict=PURGED_RETURNED}"] == 1
+        assert watcher.stop() == 0
+        assert cluster.tiers(values) == {key: {"local_disk"} for key in values}  # no lease, no promotion
+
+    found = _findings(tmp_path / "state")
+    assert {key: line["verdicts"] for key, line in found.items()} == {
+        PURGED: ["ZERO_VALUE", "PURGED_RETURNED"], ZERO: ["ZERO_VALUE"], WENT_BAD: ["ZERO_VALUE"]}
+    assert found[PURGED]["evidence"]["purged"]["log"] == str(tmp_path / "evidence" / "purge-log.jsonl")
+    assert found[WENT_BAD]["xxh3"] == f"{xxhash.xxh3_64_intdigest(bytes(VALUE_BYTES)):016x}"
+    for line in found.values():  # read from the bucket files, where the holder keeps them
+        (row,) = line["evidence"]["replicas"]
+        assert row["tier"] == "local_disk" and row["status"] == "ok" and row["file"].startswith(str(offload_dir)), row
