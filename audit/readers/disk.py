@@ -72,6 +72,11 @@ class DiskReader:
         return (self._stored(key) is not None
                 and not any(replica.get("tier", "memory") == "memory" for replica in key.replicas))
 
+    def split(self, keys: Sequence[KeyInfo]) -> tuple[list[KeyInfo], list[KeyInfo]]:
+        """`keys` as (those this reader holds, the rest), each in its order."""
+        held = [self.holds(key) for key in keys]
+        return ([key for key, mine in zip(keys, held) if mine], [key for key, mine in zip(keys, held) if not mine])
+
     def _stored(self, key: KeyInfo) -> StoredValue | None:
         return self.index.get(stored_key(DEFAULT_TENANT, key.name))
 

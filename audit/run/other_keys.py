@@ -110,8 +110,7 @@ def read_other_keys(other: OtherKeys, clients: TenantClients, admin: AdminClient
                 continue
             if tenant is None and options.read_mode == "peek" and options.offload_dirs:
                 disk = DiskReader(admin, options.offload_dirs, buffer_bytes(keys, options))
-                on_disk = [key for key in keys if disk.holds(key)]
-                keys = [key for key in keys if not disk.holds(key)]
+                on_disk, keys = disk.split(keys)
                 _read_group(on_disk, disk, disk.confirm, tenant, checker, options, stop, watch, evidence, emit)
             if keys and not stop.is_set():
                 reader = LeaseReader(clients.client(tenant), buffer_bytes(keys, options), options.placement.buffer_type)

@@ -453,7 +453,7 @@ class Watcher:
         if self.scan.read_mode != "peek" or not self.scan.offload_dirs:
             return None, [], keys
         disk = DiskReader(admin, self.scan.offload_dirs, buffer_bytes(keys, self.scan))
-        return disk, [key for key in keys if disk.holds(key)], [key for key in keys if not disk.holds(key)]
+        return disk, *disk.split(keys)
 
     def _scan(self, keys: list[KeyInfo], base, stop: threading.Event, watch: MasterWatch,
               records: list[KeyRecord], read_at: dict[str, float]) -> None:
