@@ -8,6 +8,7 @@ garbage. The rows are decoded in `audit.checks.binding`; this module finds them 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,33 +114,18 @@ def bind_values(records: list[KeyRecord], values: list, readings: list, bindings
     decoded at once, per (model, TP size, rank): every value's first reading, then the next reading
     of the values none has bound yet (a wrong reading's rows go the long way, a search of the whole
     vocabulary, so a healthy value is never read twice)."""
-    pending: list[tuple[int, list]] = []  # record index -> its readings' (images, rows), the likeliest first
+    pending: list[tuple[int, tuple, Iterator]] = []  # record index, its reading to decode next, the later ones
     for i, (record, value, layouts) in enumerate(zip(records, values, readings)):
         if value is None or not layouts or _ALREADY_FLAGGED.intersection(record.verdicts):
             continue
-        seen, candidates = set(), []
-        for layout in layouts:
-            if layout.size != record.size or layer0_region(layout) is None:
-                continue
-            rank = record.parsed_fields().get("tp_rank", 0) if layout.tp_size > 1 else 0
-            images = bindings.images(layout.model, layout.tp_size, rank)
-            region = None if images is None else layer0_region(layout, images.region)
-            if region is None or region in seen:
-                continue
-            seen.add(region)
-            for rows in _token_rows(value, region, images.region):
-                if rows.shape[1] != images.columns:
-                    bindings.unbound[layout.model] = (f"layer 0's {images.region} rows have {rows.shape[1]} columns "
-                                                      f"at TP {layout.tp_size}, the image rule {images.columns}")
-                    continue
-                candidates.append((images, rows))
-        if candidates:
-            pending.append((i, candidates))
+        later = _readings(record, value, layouts, bindings)
+        first = next(later, None)
+        if first is not None:
+            pending.append((i, first, later))
     tried: dict[int, list] = {}  # record index -> (images, tokens, distances), one per reading decoded
     while pending:
         groups: dict[int, list] = {}
-        for i, candidates in pending:
-            images, rows = candidates[0]
+        for i, (images, rows), _ in pending:
             groups.setdefault(id(images), [images, []])[1].append((i, rows))
         for images, members in groups.values():
             tokens, distances = nearest_tokens(np.concatenate([rows for _, rows in members]), images)
@@ -148,8 +134,8 @@ def bind_values(records: list[KeyRecord], values: list, readings: list, bindings
                 end = start + len(rows)
                 tried.setdefault(i, []).append((images, tokens[start:end], distances[start:end]))
                 start = end
-        pending = [(i, candidates[1:]) for i, candidates in pending
-                   if len(candidates) > 1 and not (tried[i][-1][2] <= ROW_TOLERANCE).all()]
+        unbound = [(i, later) for i, _, later in pending if not (tried[i][-1][2] <= ROW_TOLERANCE).all()]
+        pending = [(i, reading, later) for i, later in unbound if (reading := next(later, None)) is not None]
     for i, outcomes in tried.items():
         bound = [(images, tokens) for images, tokens, distances in outcomes if (distances <= ROW_TOLERANCE).all()]
         if not bound:
@@ -161,9 +147,30 @@ def bind_values(records: list[KeyRecord], values: list, readings: list, bindings
             check_prefix(records[i], tokens, images, bindings.prefixes)
 
 
-def _token_rows(value, region, kind: str) -> list[np.ndarray]:
+def _readings(record: KeyRecord, value, layouts, bindings: Bindings) -> Iterator[tuple]:
+    """(images, rows) of `value`'s layer-0 token rows under each of its readings, the likeliest first,
+    each made only when asked for."""
+    seen = set()
+    for layout in layouts:
+        if layout.size != record.size or layer0_region(layout) is None:
+            continue
+        rank = record.parsed_fields().get("tp_rank", 0) if layout.tp_size > 1 else 0
+        images = bindings.images(layout.model, layout.tp_size, rank)
+        region = None if images is None else layer0_region(layout, images.region)
+        if region is None or region in seen:
+            continue
+        seen.add(region)
+        for rows in _token_rows(value, region, images.region):
+            if rows.shape[1] != images.columns:  # (every byte order of a region has the same width)
+                bindings.unbound[layout.model] = (f"layer 0's {images.region} rows have {rows.shape[1]} columns "
+                                                  f"at TP {layout.tp_size}, the image rule {images.columns}")
+                break
+            yield images, rows
+
+
+def _token_rows(value, region, kind: str) -> Iterator[np.ndarray]:
     """The region's token rows as float32 (n, columns), oldest token first, under each byte order it
-    may have; none for a dtype that is not a float. A value in device memory brings only these bytes
+    may have, one at a time; none for a dtype that is not a float. A value in device memory brings only these bytes
     to the host. A conv state is vLLM's "SD" layout (state_len, dim), or its transpose ("DS"). An
     attention page is (heads, tokens, 2 * head_size) numbers, and a token's V row is its V over the
     heads: vLLM 0.32's CPU backend keeps each head's K of every token, then its V of every token
@@ -175,17 +182,19 @@ def _token_rows(value, region, kind: str) -> list[np.ndarray]:
         data = data.cpu().numpy()
     numbers = decode_floats(data, region.dtype)
     if numbers is None:
-        return []
+        return
     if kind == "conv":
         rows = numbers.reshape(region.shape).astype(np.float32)
-        return [rows if rows.shape[0] <= rows.shape[1] else rows.T]
+        yield rows if rows.shape[0] <= rows.shape[1] else rows.T
+        return
     heads, tokens, width = region.shape
     size = width // 2
     by_head = numbers.reshape(heads, 2, tokens, size)[:, 1].transpose(1, 0, 2)   # CPU_ATTN
     interleaved = numbers.reshape(heads, tokens, 2, size)[:, :, 1].transpose(1, 0, 2)  # LBHNC, k|v per token
     token_major = numbers.reshape(tokens, heads, 2, size)[:, :, 1]                   # LBNHC
     orders = (by_head, interleaved) if heads == 1 else (by_head, interleaved, token_major)  # one head: the same
-    return [np.ascontiguousarray(v.reshape(tokens, heads * size), dtype=np.float32) for v in orders]
+    for v in orders:  # views: each copied only when its turn comes
+        yield np.ascontiguousarray(v.reshape(tokens, heads * size), dtype=np.float32)
 
 
 def _flag(record: KeyRecord, tokens, distances, images) -> None:
