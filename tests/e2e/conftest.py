@@ -75,12 +75,14 @@ class Session:
         self.observed: dict[str, dict] = {}
         self.started = time.monotonic()
 
-    def cluster(self, name: str):
-        """A fresh embedded cluster for one scenario (its own keys only), and its mooncake.json."""
+    def cluster(self, name: str, **options):
+        """A fresh embedded cluster for one scenario (its own keys only), and its mooncake.json;
+        `options`: LocalCluster's (a tiered store: `offload=True`, a small `segment_mb`)."""
         from audit.cluster import LocalCluster
         from tests.e2e.harness import mooncake_config
 
-        cluster = LocalCluster(holders=1, segment_mb=256, log_dir=self._dir(f"cluster-{name}"))
+        options.setdefault("segment_mb", 256)
+        cluster = LocalCluster(holders=1, log_dir=self._dir(f"cluster-{name}"), **options)
         self.clusters.append(cluster)
         cluster.start()
         return cluster, mooncake_config(cluster, self._dir(name) / "mooncake.json")

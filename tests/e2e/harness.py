@@ -366,3 +366,33 @@ def plant_copies(config_path: Path, copies: list[dict], timeout_s: float = 60.0)
                              env=_clean_env(), capture_output=True, text=True, timeout=timeout_s)
     if process.returncode != 0:
         raise RuntimeError(f"planting {len(copies)} keys failed: {process.stderr.strip()[-800:]}")
+
+
+FILLER_SCRIPT = """
+import sys, time
+from pathlib import Path
+from audit.connection import Settings, open_store
+store = open_store(Settings.resolve(config=Path(sys.argv[1])))
+action, keys, size = sys.argv[2], sys.argv[3].split(","), int(sys.argv[4])
+for key in keys:
+    deadline = time.monotonic() + 30
+    while True:
+        rc = store.put(key, bytes([1]) * size) if action == "put" else store.remove(key, True)
+        if rc != -200 or time.monotonic() > deadline:  # -200: the segment is full while eviction catches up
+            break
+        time.sleep(0.05)
+    assert rc == 0, (action, key, rc)
+store.close()
+"""
+
+
+def filler(config_path: Path, action: str, keys: list[str], value_bytes: int = 1 << 20,
+           timeout_s: float = 120.0) -> None:
+    """Another tenant's traffic, from a client of its own: `put` fills the holder's segment with
+    `keys` (so that Mooncake evicts the oldest values, to the disk on a tiered store), `remove`
+    takes them out again."""
+    process = subprocess.run([sys.executable, "-c", FILLER_SCRIPT, str(config_path), action, ",".join(keys),
+                              str(value_bytes)], cwd=REPO, env=_clean_env(), capture_output=True, text=True,
+                             timeout=timeout_s)
+    if process.returncode != 0:
+        raise RuntimeError(f"filler {action} of {len(keys)} keys failed: {process.stderr.strip()[-800:]}")

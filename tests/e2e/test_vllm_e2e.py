@@ -43,7 +43,7 @@ class Produced:
 
 
 def _produce(session, models_dir: Path, name: str, model: str, batches, *, cluster_from: str | None = None,
-             record: bool = True, **engine) -> Produced:
+             record: bool = True, cluster_options: dict | None = None, **engine) -> Produced:
     """Run (once per session) the engine `name`: on a fresh cluster, or on `cluster_from`'s cluster."""
     if name in session.failures:
         pytest.fail(f"engine {name} failed earlier in this session:\n{session.failures[name]}")
@@ -51,7 +51,7 @@ def _produce(session, models_dir: Path, name: str, model: str, batches, *, clust
         return session.runs[name]
     spec = ALL_MODELS[model]
     if cluster_from is None:
-        cluster, config = session.cluster(name)
+        cluster, config = session.cluster(name, **(cluster_options or {}))
     else:
         base = session.runs.get(cluster_from)
         if base is None:
@@ -192,10 +192,34 @@ def test_b_recorder_multi_process(session, models_dir):
 # ---- (c) the #53084 bug put back --------------------------------------------------------------------
 
 
+TIERED_SEGMENT_MB = 16  # the bug's store offloads (#41): small enough that other traffic evicts vLLM's keys to disk
+
+
 def _bug(session, models_dir) -> Produced:
-    return _produce(session, models_dir, "bug-mamba2-tiny", "mamba2-tiny", [writer_prompts(), exact_prefix_prompts()],
-                    bug=True,
-                    retention_none=True, max_tokens=8)
+    """The #53084 bug's run on a tiered store (eager bucket offload, #41 §6): once it has published,
+    another tenant's traffic evicts its keys from memory, so every test of (c) reads them on disk."""
+    fresh = "bug-mamba2-tiny" not in session.runs
+    produced = _produce(session, models_dir, "bug-mamba2-tiny", "mamba2-tiny", [writer_prompts(), exact_prefix_prompts()],
+                        bug=True, cluster_options={"offload": True, "segment_mb": TIERED_SEGMENT_MB},
+                        retention_none=True, max_tokens=8)
+    if fresh:
+        _evict_to_disk(session, produced)
+    return produced
+
+
+def _evict_to_disk(session, produced: Produced) -> None:
+    """Each key offloaded, then the segment filled past its size by keys of another client, which
+    are removed again once Mooncake has evicted the producer's keys (on disk they stay). Before
+    that, while every key is in both tiers, a peek scan compares each disk copy with its memory copy."""
+    cluster = produced.cluster
+    cluster.wait_held(produced.keys, "local_disk")
+    session.runs["scan-bug-both-tiers"] = _tiered_scan(produced, "peek")
+    filler = [f"e2e-filler/{index:02d}" for index in range(TIERED_SEGMENT_MB + 8)]
+    harness.filler(produced.config, "put", filler)
+    cluster.wait_disk_only(produced.keys, 1)
+    harness.filler(produced.config, "remove", filler)
+    tiers = collections.Counter("+".join(sorted(held)) for held in cluster.tiers(produced.keys).values())
+    session.observed[produced.name]["tiers_after_eviction"] = dict(tiers)
 
 
 def _guard(session, models_dir) -> Produced:
@@ -247,6 +271,40 @@ def test_c_bug_changes_a_readers_tokens(session, models_dir):
     reader = _reader(session, models_dir, "bug-mamba2-tiny")
     assert all(n > 0 for n in reader.run.cached(0)), reader.run.cached(0)
     assert reader.run.tokens(0) != _cold_reader_tokens(session, models_dir)
+
+
+def _tiered_scan(produced: Produced, read_mode: str) -> harness.Scan:
+    """`scan --block-tables --read-mode MODE` (peek: with the holder's offload directory)."""
+    disk = ["--offload-dir", str(produced.cluster.running_holders[0].offload_dir)] if read_mode == "peek" else []
+    return harness.scan(produced.config, produced.cluster, "--block-tables", str(produced.record_dir),
+                        "--read-mode", read_mode, *disk)
+
+
+def test_c_tiered_verdicts_are_exact_in_every_tier_and_read_mode(session, models_dir):
+    """#41 §6: the bug's keys judged with the records while in both tiers (peek: each disk copy
+    compared with its memory copy) and once evicted to disk only (lease: through the holder's offload
+    RPC; peek: from its bucket files): every key read, NULL_BACKED on exactly the block-0 keys, no
+    copy divergent, and the reads moved no key between tiers."""
+    produced = _bug(session, models_dir)
+    cluster = produced.cluster
+    before = cluster.tiers(produced.keys)
+    assert any(held == {"local_disk"} for held in before.values()), before
+    stored = harness.first_successful_put(produced.records)
+    truth = {k for k in produced.keys if 0 in stored[k]["block_ids"]}
+    scans = {"both tiers, peek": session.runs["scan-bug-both-tiers"],
+             "disk only, lease": _tiered_scan(produced, "lease"), "disk only, peek": _tiered_scan(produced, "peek")}
+    for name, result in scans.items():
+        assert result.report is not None, (name, result.stderr[-500:])
+        coverage = result.report["summary"]["coverage"]
+        assert coverage["complete"] and coverage["keys_read"] == len(produced.keys), (name, coverage)
+        assert result.keys_with("NULL_BACKED") == truth, name
+        assert not (result.keys_with("READ_ERROR") | result.keys_with("REPLICA_DIVERGENT")), name
+        assert result.rc == 1, (name, result.stderr[-500:])
+    compared = scans["both tiers, peek"].report["summary"]["offload"]
+    assert compared["disk_copies_compared"] == len(produced.keys) and compared["disk_copies_divergent"] == 0
+    removed = scans["disk only, peek"].report["summary"]["offload"]["unlisted"]  # the filler, gone but on disk
+    assert removed["values"] > 0 and all(row["key"].startswith("e2e-filler/") for row in removed["named"]), removed
+    assert cluster.tiers(produced.keys) == before
 
 
 def _withheld_then_stored(produced: Produced) -> dict[str, list[dict]]:
