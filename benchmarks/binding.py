@@ -6,6 +6,10 @@ same config.json without it (no binding), interleaved, in one run.
 
     python -m benchmarks.binding                    # 160 keys of 9.7 MB (1.55 GB), 5 pairs
     python -m benchmarks.binding --keys 8 --runs 1  # a smoke run
+    python -m benchmarks.binding --geometry small --keys 1000000 --runs 2 --no-fresh-probe  # a million keys
+
+`--geometry small` is the same vocabulary and layer-0 rule on a one-layer Mamba2 of hidden 32 (values of
+a few hundred bytes), so that a million keys fit this machine: binding's per-key cost against a scan's.
 
 The model is mamba2-130m's geometry (24 layers, hidden 768, d_inner 1536, one group, d_state 128,
 24 heads of 64, vocabulary 50,288) with random bfloat16 weights: its checkpoint holds the tensors
@@ -26,6 +30,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -40,25 +45,35 @@ NAME = "mamba2-130m"
 CONFIG = {"model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"], "hidden_size": 768, "expand": 2,
           "n_groups": 1, "state_size": 128, "num_heads": 24, "head_dim": 64, "conv_kernel": 4,
           "num_hidden_layers": 24, "vocab_size": 50288, "layer_norm_epsilon": 1e-5, "torch_dtype": "bfloat16"}
+GEOMETRIES = {"130m": CONFIG, "small": {**CONFIG, "hidden_size": 32, "state_size": 4, "num_heads": 2, "head_dim": 32,
+                                         "num_hidden_layers": 1}}
 FLAGS = ["--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "bfloat16"]
+PUT_BATCH = 1000  # keys put at once (as benchmarks.scale does: 4,096 at once failed with TRANSFER_FAIL)
 
 
-def model_dirs(root: Path) -> tuple[Path, Path]:
+def model_dirs(root: Path, config: dict) -> tuple[Path, Path]:
     """The model directory with its checkpoint, and one with only its config.json (same name)."""
     from tests.helpers import write_safetensors
 
     bound, unbound = root / "bound" / NAME, root / "unbound" / NAME
     for path in (bound, unbound):
         path.mkdir(parents=True)
-        (path / "config.json").write_text(json.dumps(CONFIG))
+        (path / "config.json").write_text(json.dumps(config))
     rng = np.random.default_rng(40)
-    hidden, rows = CONFIG["hidden_size"], 2 * 1536 + 2 * 128 + 24
+    hidden, inner = config["hidden_size"], config["expand"] * config["hidden_size"]
+    rows = 2 * inner + 2 * config["n_groups"] * config["state_size"] + config["num_heads"]
     write_safetensors(bound / "model.safetensors", {
-        "backbone.embeddings.weight": rng.standard_normal((CONFIG["vocab_size"], hidden), dtype=np.float32) * 0.02,
+        "backbone.embeddings.weight": rng.standard_normal((config["vocab_size"], hidden), dtype=np.float32) * 0.02,
         "backbone.layers.0.norm.weight": 1 + 0.1 * rng.standard_normal(hidden, dtype=np.float32),
         "backbone.layers.0.mixer.in_proj.weight": rng.standard_normal((rows, hidden), dtype=np.float32) * 0.03,
     }, bfloat16=True)
     return bound, unbound
+
+
+def _bfloat16(values: np.ndarray) -> np.ndarray:
+    """float32 rounded to bfloat16 (to nearest, ties to even), as uint16 words."""
+    bits = values.astype(np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 def publish(cluster, bound: Path, keys: int, records: Path) -> int:
@@ -74,24 +89,33 @@ def publish(cluster, bound: Path, keys: int, records: Path) -> int:
     (layout,) = load_layouts(model_configs=[bound], model_dtype="bfloat16", ssm_dtype="bfloat16")
     conv = next(region for segment, region in layout.regions() if segment.layer == 0 and region.name == "conv")
     images = token_images(bound, NAME, 1, 0)
+    every_image = _bfloat16(images.images(np.arange(images.vocab_size)))  # (vocab, columns): each token's rows
     rng = np.random.default_rng(41)
     publisher = Publisher(Settings(master=cluster.master_address, metadata=cluster.metadata_url,
                                    admin=cluster.admin_url, local_hostname="127.0.0.1"))
-    lines = []
-    try:
-        for index in range(keys):
-            value = state_like(rng, layout.size)
-            tokens = rng.integers(0, CONFIG["vocab_size"], 3)
-            lines.append(prefix_line(f"{index:064x}", 3, tokens))
-            rows = images.images(tokens).astype(np.float32)
-            bits = rows.view(np.uint32)
-            value[conv.offset:conv.offset + conv.length] = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(
-                np.uint16).view(np.uint8).reshape(-1)
-            publisher.put(vllm_key(NAME, f"{index:064x}"), value.tobytes())
-    finally:
-        publisher.close()
+    store = publisher.store
+    buffer = np.empty((PUT_BATCH, layout.size), np.uint8)  # registered once: each batch put from it
+    if store.register_buffer(buffer.ctypes.data, buffer.nbytes) != 0:
+        raise SystemExit("register_buffer failed")
     records.mkdir(parents=True, exist_ok=True)
-    (records / "prefixes-bench-0-0000.jsonl").write_text("\n".join(lines) + "\n")
+    try:
+        with (records / "prefixes-bench-0-0000.jsonl").open("w") as lines:
+            for first in range(0, keys, PUT_BATCH):
+                count = min(PUT_BATCH, keys - first)
+                values = buffer[:count]
+                values[:] = state_like(rng, count * layout.size).reshape(count, layout.size)
+                tokens = rng.integers(0, images.vocab_size, (count, 3))
+                values[:, conv.offset:conv.offset + conv.length] = every_image[tokens].view(np.uint8).reshape(count, -1)
+                hashes = [f"{index:064x}" for index in range(first, first + count)]
+                lines.writelines(prefix_line(digest, 3, its_tokens) + "\n" for digest, its_tokens in zip(hashes, tokens))
+                codes = store.batch_put_from([vllm_key(NAME, digest) for digest in hashes],
+                                             [buffer.ctypes.data + slot * layout.size for slot in range(count)],
+                                             [layout.size] * count)
+                if any(code != 0 for code in codes):
+                    raise SystemExit(f"{sum(code != 0 for code in codes)} puts failed (first {min(codes)})")
+    finally:
+        store.unregister_buffer(buffer.ctypes.data)
+        publisher.close()
     return layout.size
 
 
@@ -99,14 +123,24 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", type=int, default=160)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--geometry", choices=GEOMETRIES, default="130m")
+    parser.add_argument("--fresh-probe", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time a scan that builds the probe afresh")
     args = parser.parse_args()
     from audit.cluster import LocalCluster
 
     with tempfile.TemporaryDirectory(prefix="bench-binding-") as scratch:
-        bound, unbound = model_dirs(Path(scratch))
-        with LocalCluster(holders=1, segment_mb=max(256, args.keys * 10 + 64)) as cluster:
+        bound, unbound = model_dirs(Path(scratch), GEOMETRIES[args.geometry])
+        from audit.judge.plan import load_layouts
+
+        (layout,) = load_layouts(model_configs=[bound], model_dtype="bfloat16", ssm_dtype="bfloat16")
+        segment_mb = int(args.keys * (layout.size + 64) * 1.3 / (1 << 20)) + 256  # headroom: a full segment evicts
+        with LocalCluster(holders=1, segment_mb=segment_mb) as cluster:
             records = Path(scratch) / "records"
+            started = time.perf_counter()
             size = publish(cluster, bound, args.keys, records)
+            print(f"published {args.keys:,} keys of {size:,} B in {time.perf_counter() - started:.0f} s",
+                  file=sys.stderr)
             env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
             def command(model_dir: Path, out: str, *extra: str) -> list[str]:
@@ -118,6 +152,8 @@ def main() -> int:
             cache = Path(scratch) / "cache"
             arms = {"binding": (bound, ()), "binding and prefix records": (bound, ("--block-tables", str(records))),
                     "binding, probe not kept": (bound, ()), "no binding": (unbound, ())}
+            if not args.fresh_probe:
+                del arms["binding, probe not kept"]
             measured: dict[str, list[dict]] = {label: [] for label in arms}
             for round_ in range(args.runs + 1):  # the first round warms caches, unmeasured
                 order = list(arms.items())
@@ -139,7 +175,7 @@ def main() -> int:
                       f"{statistics.median(r['cpu'] for r in runs):.2f}", f"{statistics.median(r['rss_mib'] for r in runs):.0f}"])
     print(f"{args.keys} keys x {size:,} B ({args.keys * size / 1e9:.2f} GB), {args.runs} rounds; {machine()}")
     print(text_table(["scan", "wall s (median)", "min-max", "cpu s", "peak RSS MiB"], lines))
-    for label in ("binding", "binding and prefix records", "binding, probe not kept"):
+    for label in (label for label in measured if label != "no binding"):
         ratios = [a["wall"] / b["wall"] for a, b in zip(measured[label], measured["no binding"])]
         print(f"{label} / no binding, round by round: median {statistics.median(ratios):.3f} "
               f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
