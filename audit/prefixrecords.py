@@ -6,9 +6,17 @@ before the boundary (``window`` = the conv kernel - 1), each a function of its t
 (docs/binding.md). The recorder plugin writes, per chunk hash of every request its scheduler sees,
 the digest of those tokens; the scan decodes the tokens back from a key's bytes and compares
 (`PREFIX_MISMATCH`: the state of another prefix under this hash: stale, recycled, another
-request's). Files ``prefixes-{host}-{pid}-{n:04d}.jsonl``, beside the put records, a line each:
+request's). An attention block's KV holds, at layer 0, the V of each of the block's own tokens (a
+partial tail block: those up to its boundary), so a hash also names a second window: the tokens from
+its block's start to the boundary. Files ``prefixes-{host}-{pid}-{n:04d}.jsonl``, beside the put
+records, a line each:
 
-    {"hash": str (the chunk hash, as the key's last field), "window": int, "digest": str}
+    version 1: {"hash": str (the chunk hash, as the key's last field), "window": int, "digest": str}
+    version 2: {"v": 2, "hash": str, and either or both of "window"/"digest" (the conv window) and
+                "kv_window"/"kv_digest" (the KV block's tokens, oldest first)}
+
+A version-1 line reads as a conv window; a version-1 reader reads a version-2 line's conv window
+and counts a line with only a KV window as malformed (passed over).
 
 Only a digest is kept, never the tokens: a record file then does not hold the prompts. It is not a
 secret either (a few tokens can be searched for): keep record directories as private as the logs.
@@ -16,6 +24,7 @@ secret either (a few tokens can be searched for): keep record directories as pri
 
 from __future__ import annotations
 
+import itertools
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
@@ -39,8 +48,15 @@ def prefix_digest(tokens: Sequence[int]) -> str:
     return xxhash.xxh3_64_hexdigest(packed.tobytes())
 
 
-def prefix_line(chunk_hash: str, window: int, tokens: Sequence[int]) -> str:
-    return f'{{"hash":"{chunk_hash}","window":{int(window)},"digest":"{prefix_digest(tokens)}"}}'
+def prefix_line(chunk_hash: str, window: int | None, tokens: Sequence[int] | None,
+                kv_tokens: Sequence[int] | None = None) -> str:
+    """A record of `chunk_hash`: its conv window's `tokens` (`window` of them), its KV block's
+    `kv_tokens`, or both; a conv window alone is written as version 1 (what older readers read)."""
+    conv = "" if window is None else f',"window":{int(window)},"digest":"{prefix_digest(tokens)}"'
+    if kv_tokens is None:
+        return f'{{"hash":"{chunk_hash}"{conv}}}'
+    return (f'{{"v":2,"hash":"{chunk_hash}"{conv},"kv_window":{len(kv_tokens)},'
+            f'"kv_digest":"{prefix_digest(kv_tokens)}"}}')
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,33 +65,52 @@ class PrefixDigest:
     digest: str
 
 
+# What a record's window names, by the layer-0 region whose rows hold its tokens (`TokenImages.region`):
+# a conv state's last `window` rows, an attention page's first `window` V rows.
+CONV, KV = "conv", "v"
+
+
 @dataclass
 class PrefixRecords:
-    """Chunk hash -> what its state's layer-0 tokens digest to; `conflicts`: hashes recorded with
-    two different digests (kept out: nothing is claimed of them)."""
+    """Chunk hash -> what its state's layer-0 tokens digest to (`digests`: conv windows; `blocks`:
+    KV blocks' tokens); `conflicts`: hashes recorded with two different digests (kept out: nothing
+    is claimed of them)."""
 
     digests: dict[str, PrefixDigest] = field(default_factory=dict)
+    blocks: dict[str, PrefixDigest] = field(default_factory=dict)
     conflicts: set[str] = field(default_factory=set)
     records: int = 0
     skipped: int = 0  # malformed lines (a line being appended as the scan read included)
 
-    def get(self, chunk_hash: str) -> PrefixDigest | None:
-        return self.digests.get(chunk_hash.lower())
+    def get(self, chunk_hash: str, region: str = CONV) -> PrefixDigest | None:
+        return (self.blocks if region == KV else self.digests).get(chunk_hash.lower())
 
-    def add(self, chunk_hash: str, entry: PrefixDigest) -> None:
+    def add(self, chunk_hash: str, entry: PrefixDigest | None, block: PrefixDigest | None = None) -> None:
         chunk_hash = chunk_hash.lower()
         self.records += 1
         if chunk_hash in self.conflicts:
             return
-        known = self.digests.get(chunk_hash)
-        if known is None:
-            self.digests[chunk_hash] = entry
-        elif known != entry:
-            del self.digests[chunk_hash]
-            self.conflicts.add(chunk_hash)
+        for table, new in ((self.digests, entry), (self.blocks, block)):
+            known = table.get(chunk_hash)
+            if new is None or known == new:
+                continue
+            if known is None:
+                table[chunk_hash] = new
+            else:
+                self.digests.pop(chunk_hash, None)
+                self.blocks.pop(chunk_hash, None)
+                self.conflicts.add(chunk_hash)
+                return
+
+    def trim(self, capacity: int) -> None:
+        """Past `capacity` hashes in either table, its oldest half goes (a guard's records are read for a while)."""
+        for table in (self.digests, self.blocks):
+            if len(table) > capacity:
+                for stale in list(itertools.islice(table, len(table) - capacity // 2)):
+                    del table[stale]
 
     def __len__(self) -> int:
-        return len(self.digests)
+        return len(self.digests.keys() | self.blocks.keys())
 
 
 def prefix_record_paths(paths: Iterable[Path]) -> list[Path]:
@@ -89,11 +124,28 @@ def prefix_record_paths(paths: Iterable[Path]) -> list[Path]:
     return found
 
 
-def parse_prefix_record(record: dict) -> tuple[str, PrefixDigest]:
-    chunk_hash, window, digest = record.get("hash"), record.get("window"), record.get("digest")
-    if not isinstance(chunk_hash, str) or not isinstance(digest, str) or type(window) is not int or window < 1:
-        raise Malformed("hash and digest must be strings, window a positive integer")
-    return chunk_hash, PrefixDigest(window, digest)
+def _window(record: dict, window: str, digest: str) -> PrefixDigest | None:
+    count, value = record.get(window), record.get(digest)
+    if count is None and value is None:
+        return None
+    if not isinstance(value, str) or type(count) is not int or count < 1:
+        raise Malformed(f"{digest} must be a string, {window} a positive integer")
+    return PrefixDigest(count, value)
+
+
+def parse_prefix_record(record: dict) -> tuple[str, PrefixDigest | None, PrefixDigest | None]:
+    """(hash, conv window, KV block) of a version-1 or version-2 line; a later version is malformed
+    (its fields may mean something else)."""
+    chunk_hash, version = record.get("hash"), record.get("v", 1)
+    if not isinstance(chunk_hash, str):
+        raise Malformed("hash must be a string")
+    if version not in (1, 2) or type(version) is not int:
+        raise Malformed(f"prefix record version {version!r} is not one this audit reads (1, 2)")
+    conv = _window(record, "window", "digest")
+    block = _window(record, "kv_window", "kv_digest") if version == 2 else None
+    if conv is None and block is None:
+        raise Malformed("a prefix record names a conv window, a KV block or both")
+    return chunk_hash, conv, block
 
 
 def read_prefix_records(paths: Iterable[Path]) -> PrefixRecords:

@@ -1,6 +1,6 @@
 """What the load recorder and the load guard add to a consumer's load (issue #29 §6).
 
-Run from the repository root:  python -m benchmarks.load_guard [--loads 60] [--keys 8]
+Run from the repository root:  python -m benchmarks.load_guard [--loads 60] [--keys 8] [--family llama]
 
 A producer publishes 1 MiB values shaped like a Mamba2 hybrid's state key (16 layers, one 64 KiB
 page each: a float32 conv state of 8 KiB, a float32 ssm state of 48 KiB, 8 KiB of zero padding) and a
@@ -19,6 +19,11 @@ For binding, the model is a Mamba2 whose layer-0 conv state is this page's (2 ro
 hidden 448, d_conv 3, one group of d_state 64) with a 50,288-token vocabulary and random weights;
 every block's layer-0 conv rows are the images of two tokens, and every key's hash has its prefix
 record, so every value is bound and kept.
+
+With ``--family llama`` the values are a Llama's attention blocks instead (16 layers, one 64 KiB page
+each: 8 KV heads of 64, 16 tokens, float32, K then V per head as vLLM's CPU backend keeps them; hidden
+512, a 32,000-token vocabulary, random weights): binding decodes each block's 16 layer-0 V rows and
+compares them with its hash's KV-block record.
 """
 
 from __future__ import annotations
@@ -52,7 +57,21 @@ CONFIG = {"model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"], "hidde
           "num_hidden_layers": LAYERS, "vocab_size": 50288, "layer_norm_epsilon": 1e-5, "torch_dtype": "float32"}
 
 
-def manifest(model_path: Path | None = None) -> dict:
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 512, "num_hidden_layers": LAYERS,
+         "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 32000, "rms_norm_eps": 1e-5}
+KV_HEADS, HEAD, BLOCK_TOKENS = 8, 64, 16  # a 64 KiB float32 page: heads x (K|V) x tokens x head
+
+
+def manifest(model_path: Path | None = None, family: str = "mamba2") -> dict:
+    if family == "llama":
+        document = {"groups": [{"group": 1, "kind": "attention", "block_size": BLOCK_TOKENS,
+                                "attention": {"num_kv_heads": KV_HEADS, "head_size": HEAD, "head_size_v": HEAD,
+                                              "dtype": "float32"},
+                                "segments": [{"index": i, "block_len": PAGE, "layer": f"model.layers.{i}.self_attn.attn",
+                                              "layer_index": i, "offset_in_page": 0} for i in range(LAYERS)]}]}
+        if model_path is not None:
+            document.update(model=MODEL, model_path=str(model_path), tp_size=1, tp_rank=0)
+        return document
     document = {"groups": [{"group": 1, "kind": "mamba2",
                             "states": [{"name": n, "offset": o, "length": length, "dtype": "float32", "shape": list(shape)}
                                        for n, o, length, shape in STATES],
@@ -63,11 +82,21 @@ def manifest(model_path: Path | None = None) -> dict:
     return document
 
 
-def write_model(directory: Path) -> Path:
-    """The Mamba2 checkpoint whose layer-0 images the bound guard checks against (random weights)."""
+def write_model(directory: Path, family: str = "mamba2") -> Path:
+    """The checkpoint whose layer-0 images the bound guard checks against (random weights)."""
     from tests.helpers import write_safetensors
 
     directory.mkdir(parents=True, exist_ok=True)
+    if family == "llama":
+        (directory / "config.json").write_text(json.dumps(LLAMA))
+        rng = np.random.default_rng(40)
+        hidden = LLAMA["hidden_size"]
+        write_safetensors(directory / "model.safetensors", {
+            "model.embed_tokens.weight": rng.standard_normal((LLAMA["vocab_size"], hidden), dtype=np.float32) * 0.02,
+            "model.layers.0.input_layernorm.weight": 1 + 0.1 * rng.standard_normal(hidden, dtype=np.float32),
+            "model.layers.0.self_attn.v_proj.weight": rng.standard_normal((KV_HEADS * HEAD, hidden),
+                                                                          dtype=np.float32) * 0.03})
+        return directory
     (directory / "config.json").write_text(json.dumps(CONFIG))
     rng = np.random.default_rng(40)
     hidden, rows = CONFIG["hidden_size"], 896 + 1024 + CONFIG["num_heads"]  # z, xBC, dt
@@ -78,15 +107,17 @@ def write_model(directory: Path) -> Path:
     return directory
 
 
-def block_tokens(block: int) -> list[int]:
-    """The two tokens whose images a block's layer-0 conv rows hold."""
+def block_tokens(block: int, family: str = "mamba2") -> list[int]:
+    """The tokens whose images a block's layer-0 rows hold: two conv rows, or 16 tokens' V."""
+    if family == "llama":
+        return [(7 * block + 3 * t + 11) % LLAMA["vocab_size"] for t in range(BLOCK_TOKENS)]
     return [7 * block + 11, 13 * block + 101]
 
 
 class KVMemory:
     """LAYERS registered buffers of NUM_BLOCKS pages; block 0 unused (vLLM's null block)."""
 
-    def __init__(self, fill: bool, images=None):
+    def __init__(self, fill: bool, images=None, family: str = "mamba2"):
         rng = np.random.default_rng(1)
         self.buffers = []
         for _ in range(LAYERS):
@@ -95,7 +126,14 @@ class KVMemory:
                 states = rng.normal(size=(NUM_BLOCKS, (56 << 10) // 4)).astype(np.float32)
                 pages[:, :56 << 10] = states.view(np.uint8)
             self.buffers.append(pages)
-        if fill and images is not None:  # layer 0's conv rows: the images of each block's tokens
+        if fill and family == "llama":  # pages of random K and V; layer 0's V: the images of the block's tokens
+            for block in range(NUM_BLOCKS):
+                for buffer in self.buffers:
+                    buffer[block] = rng.normal(size=PAGE // 4).astype(np.float32).view(np.uint8)
+                page = self.buffers[0][block].view(np.float32).reshape(KV_HEADS, 2, BLOCK_TOKENS, HEAD)
+                v = images.images(block_tokens(block, family)).reshape(BLOCK_TOKENS, KV_HEADS, HEAD)
+                page[:, 1] = v.transpose(1, 0, 2)
+        elif fill and images is not None:  # layer 0's conv rows: the images of each block's tokens
             for block in range(NUM_BLOCKS):
                 rows = images.images(block_tokens(block)).astype(np.float32)
                 self.buffers[0][block, :8 << 10] = rows.view(np.uint8).reshape(-1)
@@ -114,13 +152,15 @@ def keys_of(count: int, tag: str = "") -> list[str]:
     return [f"bench{tag}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:1@{i:032x}" for i in range(count)]
 
 
-def write_prefix_records(directory: Path, keys: list[str]) -> None:
+def write_prefix_records(directory: Path, keys: list[str], family: str = "mamba2") -> None:
     """Each key's hash -> the digest of its block's tokens, as the consumer's scheduler records them
-    (key i is loaded into block 1 + i % (NUM_BLOCKS - 1), `KVMemory.batch`)."""
+    (key i is loaded into block 1 + i % (NUM_BLOCKS - 1), `KVMemory.batch`): a conv window, or a KV block."""
     from audit.prefixrecords import prefix_line
 
     directory.mkdir(parents=True, exist_ok=True)
-    lines = [prefix_line(key.rpartition("@")[2], 2, block_tokens(1 + i % (NUM_BLOCKS - 1))) for i, key in enumerate(keys)]
+    tokens = [block_tokens(1 + i % (NUM_BLOCKS - 1), family) for i in range(len(keys))]
+    lines = [prefix_line(key.rpartition("@")[2], None, None, block) if family == "llama"
+             else prefix_line(key.rpartition("@")[2], 2, block) for key, block in zip(keys, tokens)]
     (directory / "prefixes-bench-0-0000.jsonl").write_text("\n".join(lines) + "\n")
 
 
@@ -128,12 +168,13 @@ def median_us(samples: list[float]) -> float:
     return statistics.median(samples) * 1e6
 
 
-def guard(record_dir: Path, name: str, described: bool, model_path: Path | None = None) -> LoadGuard:
+def guard(record_dir: Path, name: str, described: bool, model_path: Path | None = None,
+          family: str = "mamba2") -> LoadGuard:
     """A load guard; with `model_path`, binding at layer 0 under that checkpoint (its images built now)."""
     binder = StateBinder(record_dir / name) if model_path is not None else None
     made = LoadGuard(DenyList(record_dir / name, RecordWriter(record_dir / name, stem="denied")), binder)
     if described:
-        made.describe(manifest(model_path), {})
+        made.describe(manifest(model_path, family), {})
     if binder is not None:
         binder.building.join()
         if binder.status != "bound":
@@ -142,7 +183,7 @@ def guard(record_dir: Path, name: str, described: bool, model_path: Path | None 
 
 
 def time_cluster(cluster: LocalCluster, keys_per_load: int, loads: int, record_dir: Path,
-                 model: Path) -> dict[str, float]:
+                 model: Path, family: str = "mamba2") -> dict[str, float]:
     from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
     def connect(store_class):
@@ -151,10 +192,11 @@ def time_cluster(cluster: LocalCluster, keys_per_load: int, loads: int, record_d
             raise SystemExit("cannot connect to the embedded cluster")
         return store
 
-    producer, source = connect(MooncakeDistributedStore), KVMemory(fill=True, images=token_images(model, MODEL, 1, 0))
+    producer = connect(MooncakeDistributedStore)
+    source = KVMemory(fill=True, images=token_images(model, MODEL, 1, 0), family=family)
     source.register(producer)
     keys = keys_of(keys_per_load)
-    write_prefix_records(record_dir / "guard-bound", keys)
+    write_prefix_records(record_dir / "guard-bound", keys, family)
     if any(producer.batch_put_from_multi_buffers(keys, *source.batch(keys_per_load), ReplicateConfig())):
         raise SystemExit("put failed")
 
@@ -164,16 +206,16 @@ def time_cluster(cluster: LocalCluster, keys_per_load: int, loads: int, record_d
 
     classes = {"bare": MooncakeDistributedStore, "bare again": MooncakeDistributedStore,
                "recording": recording("recording"),
-               "guard": recording("guard", lambda: guard(record_dir, "guard", True)),
+               "guard": recording("guard", lambda: guard(record_dir, "guard", True, family=family)),
                "guard, no manifest": recording("guard-plain", lambda: guard(record_dir, "guard-plain", False)),
-               "guard, bound": recording("guard-bound", lambda: guard(record_dir, "guard-bound", True, model))}
+               "guard, bound": recording("guard-bound", lambda: guard(record_dir, "guard-bound", True, model, family))}
     stores, memory = {}, {}
     for name, store_class in classes.items():
         stores[name] = connect(store_class)
         memory[name] = KVMemory(fill=False)
         memory[name].register(stores[name])
         if name in ("guard", "guard, bound"):
-            stores[name].audit_describe(manifest(model if name == "guard, bound" else None), {})
+            stores[name].audit_describe(manifest(model if name == "guard, bound" else None, family), {})
     samples: dict[str, list[float]] = {name: [] for name in stores}
     names = list(stores)
     for round_index in range(loads + 1):
@@ -193,14 +235,16 @@ def time_cluster(cluster: LocalCluster, keys_per_load: int, loads: int, record_d
     return {name: median_us(values) for name, values in samples.items()}
 
 
-def time_check(keys_per_load: int, loads: int, record_dir: Path, model: Path) -> dict[str, float]:
+def time_check(keys_per_load: int, loads: int, record_dir: Path, model: Path,
+               family: str = "mamba2") -> dict[str, float]:
     """The guard's check alone, on values already in memory (what it adds to a load, less the record)."""
-    memory = KVMemory(fill=True, images=token_images(model, MODEL, 1, 0))
+    memory = KVMemory(fill=True, images=token_images(model, MODEL, 1, 0), family=family)
     addrs, sizes = memory.batch(keys_per_load)
     keys, results = keys_of(keys_per_load), [LAYERS * PAGE] * keys_per_load
-    write_prefix_records(record_dir / "check-bound", keys)
-    guards = {"check": guard(record_dir, "check", True), "check, no manifest": guard(record_dir, "check-plain", False),
-              "check, bound": guard(record_dir, "check-bound", True, model)}
+    write_prefix_records(record_dir / "check-bound", keys, family)
+    guards = {"check": guard(record_dir, "check", True, family=family),
+              "check, no manifest": guard(record_dir, "check-plain", False),
+              "check, bound": guard(record_dir, "check-bound", True, model, family)}
     swapped = keys[1:] + keys[:1]  # every hash's record names another block's tokens: all refused
     if set(guards["check, bound"].check(swapped, addrs, sizes, results).values()) != {"PREFIX_MISMATCH"}:
         raise SystemExit("binding: a state of other tokens than its record's was not refused")
@@ -218,13 +262,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loads", type=int, default=60, help="timed loads per mode on the cluster (default 60)")
     parser.add_argument("--keys", type=int, default=8, help="keys (1 MiB values) per load (default 8)")
+    parser.add_argument("--family", choices=("mamba2", "llama"), default="mamba2",
+                        help="the values: a Mamba2 hybrid's state keys (default) or a Llama's attention blocks")
     args = parser.parse_args()
     record_dir = Path(tempfile.mkdtemp(prefix="load-guard-bench-"))
     os.environ.setdefault("MOONCAKE_AUDIT_CACHE", str(record_dir / "cache"))
-    model = write_model(record_dir / MODEL)
+    model = write_model(record_dir / MODEL, args.family)
     with LocalCluster(holders=1, segment_mb=512) as cluster:
-        real = time_cluster(cluster, args.keys, args.loads, record_dir, model)
-    check = time_check(args.keys, args.loads * 10, record_dir, model)
+        real = time_cluster(cluster, args.keys, args.loads, record_dir, model, args.family)
+    check = time_check(args.keys, args.loads * 10, record_dir, model, args.family)
     print(f"{args.keys} keys of {LAYERS * PAGE >> 20} MiB per load ({LAYERS} pages of {PAGE >> 10} KiB); medians of "
           f"{args.loads} loads on the cluster, {args.loads * 10} checks in memory; microseconds per load")
     for name, value in real.items():

@@ -8,6 +8,8 @@ garbage. The rows are decoded in `audit.checks.binding`; this module finds them 
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +23,8 @@ from audit.judge.prefixes import check_prefix
 from audit.layouts import LayoutError
 from audit.layouts.checkpoint import Checkpoint
 from audit.layouts.weights import token_images
-from audit.prefixrecords import PrefixRecords
+from audit.prefixrecords import KV, PrefixRecords
+from audit.producers.vllm import split_stem
 from audit.records import KeyRecord, Verdict
 
 # A value already flagged for its state (zero, NaN/Inf, or a reading not decided) is not decoded.
@@ -35,13 +38,18 @@ NO_LAYER0_STATE = "no key read holds layer 0's token rows (no key of it was read
 @dataclass
 class Bindings:
     """The token images of every model directory given with its weights, by (model, TP size, TP
-    rank), built when a key of theirs is first judged; `unbound` says why a model is not bound."""
+    rank), built when a key of theirs is first judged; `unbound` says why a model is not bound,
+    `decoded` how many of its keys had their layer-0 rows decoded, `prefix_checked` how many keys
+    had them compared with a prefix record."""
 
     directories: dict[str, Path] = field(default_factory=dict)  # model name (as in keys) -> directory
     unbound: dict[str, str] = field(default_factory=dict)
     producers: ProducerWeights | None = None  # the manifests' fingerprints against these directories'
     prefixes: PrefixRecords | None = None     # the producers' prefix records (--block-tables DIR)
+    decoded: Counter = field(default_factory=Counter)
+    prefix_checked: int = 0
     _images: dict = field(default_factory=dict, repr=False)
+    _counting: threading.Lock = field(default_factory=threading.Lock, repr=False)  # batches are judged in threads
 
     @classmethod
     def of(cls, model_configs, model_name: str | None = None) -> Bindings:
@@ -70,14 +78,21 @@ class Bindings:
         extra = {} if self.producers is None else {"fingerprints": self.producers.summary()}
         if self.prefixes is not None:  # PREFIX_MISMATCH: what the records could say
             extra["prefix_records"] = {"hashes": len(self.prefixes), "conflicting": len(self.prefixes.conflicts),
-                                       "skipped_lines": self.prefixes.skipped}
+                                       "skipped_lines": self.prefixes.skipped, "keys_checked": self.prefix_checked}
         if in_tasks:
             return {"bound": [], "not_bound": {}, "row_tolerance": ROW_TOLERANCE,
                     "bound_in_tasks": sorted(self.directories), **extra}
-        bound = {model for model, _, _ in self._images} - set(self.unbound)
+        bound = set(self.decoded) - set(self.unbound)  # images built are not enough: a key decoded
         not_bound = {model: self.unbound.get(model, NO_LAYER0_STATE) for model in self.directories
                      if model not in bound}
-        return {"bound": sorted(bound), "not_bound": not_bound, "row_tolerance": ROW_TOLERANCE, **extra}
+        return {"bound": sorted(bound), "not_bound": not_bound, "row_tolerance": ROW_TOLERANCE,
+                "keys_decoded": {model: self.decoded[model] for model in sorted(bound)}, **extra}
+
+    def count(self, decoded: Counter, prefix_checked: int) -> None:
+        """Add a batch's keys decoded (per model) and compared with their prefix records."""
+        with self._counting:
+            self.decoded.update(decoded)
+            self.prefix_checked += prefix_checked
 
 
 # An attention page in these dtypes holds V as computed; an fp8 cache holds it scaled and rounded to
@@ -123,6 +138,7 @@ def bind_values(records: list[KeyRecord], values: list, readings: list, bindings
         if first is not None:
             pending.append((i, first, later))
     tried: dict[int, list] = {}  # record index -> (images, tokens, distances), one per reading decoded
+    checked = 0
     while pending:
         groups: dict[int, list] = {}
         for i, (images, rows), _ in pending:
@@ -141,10 +157,10 @@ def bind_values(records: list[KeyRecord], values: list, readings: list, bindings
         if not bound:
             images, tokens, distances = outcomes[0]
             _flag(records[i], tokens, distances, images)
-        elif bindings.prefixes is not None and bound[0][0].region == "conv":
-            # these weights' state: of the prefix its hash names? (the records name conv windows only)
+        elif bindings.prefixes is not None:  # these weights' state: of the prefix its hash names?
             images, tokens = bound[0]
-            check_prefix(records[i], tokens, images, bindings.prefixes)
+            checked += check_prefix(records[i], tokens, images, bindings.prefixes) is not None
+    bindings.count(Counter(outcomes[0][0].model for outcomes in tried.values()), checked)
 
 
 def _readings(record: KeyRecord, value, layouts, bindings: Bindings) -> Iterator[tuple]:
@@ -160,7 +176,9 @@ def _readings(record: KeyRecord, value, layouts, bindings: Bindings) -> Iterator
         if region is None or region in seen:
             continue
         seen.add(region)
-        for rows in _token_rows(value, region, images.region):
+        filled = _filled_rows(record, images.region, bindings.prefixes)
+        for rows in token_rows(value, region, images.region):
+            rows = rows[:filled]
             if rows.shape[1] != images.columns:  # (every byte order of a region has the same width)
                 bindings.unbound[layout.model] = (f"layer 0's {images.region} rows have {rows.shape[1]} columns "
                                                   f"at TP {layout.tp_size}, the image rule {images.columns}")
@@ -168,7 +186,18 @@ def _readings(record: KeyRecord, value, layouts, bindings: Bindings) -> Iterator
             yield images, rows
 
 
-def _token_rows(value, region, kind: str) -> Iterator[np.ndarray]:
+def _filled_rows(record: KeyRecord, kind: str, prefixes: PrefixRecords | None) -> int | None:
+    """How many of an attention page's V rows are its block's tokens, where its producer recorded
+    the block (a partial tail block is keyed at its last token, and its later rows hold whatever
+    the page held before); None: every row (a conv state, or no record)."""
+    if kind != KV or prefixes is None:
+        return None
+    split = split_stem(record.key)
+    block = prefixes.get(split[1], KV) if split else None
+    return None if block is None else block.window
+
+
+def token_rows(value, region, kind: str) -> Iterator[np.ndarray]:
     """The region's token rows as float32 (n, columns), oldest token first, under each byte order it
     may have, one at a time; none for a dtype that is not a float. A value in device memory brings only these bytes
     to the host. A conv state is vLLM's "SD" layout (state_len, dim), or its transpose ("DS"). An

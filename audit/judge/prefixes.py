@@ -1,5 +1,5 @@
-"""PREFIX_MISMATCH: a state whose layer-0 rows decode to tokens other than the ones its producer
-recorded for its chunk hash (`audit.prefixrecords`).
+"""PREFIX_MISMATCH: a state whose layer-0 rows (a conv state's, or an attention block's V) decode
+to tokens other than the ones its producer recorded for its chunk hash (`audit.prefixrecords`).
 
 Such a state is the state of *some* prefix under these weights (it binds), just not of the prefix its
 key names: another request's, a stale or recycled block's, an earlier boundary's. Only keys with a
@@ -13,20 +13,38 @@ import math
 
 import numpy as np
 
-from audit.prefixrecords import DIGEST, PrefixDigest, PrefixRecords, prefix_digest
+from audit.prefixrecords import (
+    CONV,
+    DIGEST,
+    KV,
+    PrefixDigest,
+    PrefixRecords,
+    prefix_digest,
+)
 from audit.producers.vllm import split_stem
 from audit.records import KeyRecord, Verdict
 
 MAX_READINGS = 256  # token sequences tried for a window of shared images; beyond it, nothing is claimed
 
 
-def prefix_matches(tokens, expected: PrefixDigest, twins: dict) -> bool | None:
-    """Whether decoded `tokens` (oldest first) end in the tokens `expected` digests, any token of a
-    class of shared images standing for any other (`twins`); None: nothing to say (the rows hold
-    fewer tokens than the window, or the classes leave too many readings)."""
+def window_tokens(tokens, expected: PrefixDigest, region: str) -> list[int] | None:
+    """The decoded tokens `expected` names: a conv state's last `window` rows (the tokens before its
+    boundary), an attention block's first `window` V rows (its own tokens from the block's start; a
+    partial tail block's later rows hold nothing of it). None: the rows hold fewer tokens."""
     if expected.window > len(tokens):
         return None
-    window = [int(t) for t in tokens[len(tokens) - expected.window:]]
+    chosen = tokens[len(tokens) - expected.window:] if region == CONV else tokens[:expected.window]
+    return [int(t) for t in chosen]
+
+
+def prefix_matches(tokens, expected: PrefixDigest, twins: dict, region: str = CONV) -> bool | None:
+    """Whether decoded `tokens` (oldest first) hold the tokens `expected` digests where `region`'s
+    record says (`window_tokens`), any token of a class of shared images standing for any other
+    (`twins`); None: nothing to say (the rows hold fewer tokens than the window, or the classes
+    leave too many readings)."""
+    window = window_tokens(tokens, expected, region)
+    if window is None:
+        return None
     if prefix_digest(window) == expected.digest:
         return True
     classes = [twins.get(token, (token,)) for token in window]
@@ -37,16 +55,18 @@ def prefix_matches(tokens, expected: PrefixDigest, twins: dict) -> bool | None:
 
 def check_prefix(record: KeyRecord, tokens: np.ndarray, images, prefixes: PrefixRecords) -> bool | None:
     """Flag `record` when its decoded layer-0 `tokens` (oldest first) do not digest to its chunk
-    hash's record. None: nothing to compare (no record, or `prefix_matches` cannot say); True: flagged."""
+    hash's record for its region (`images.region`). None: nothing to compare (no record, or
+    `prefix_matches` cannot say); True: flagged."""
     split = split_stem(record.key)  # a vLLM key ends in its chunk hash (a key without one has no record)
-    expected = prefixes.get(split[1]) if split else None
-    matches = None if expected is None else prefix_matches(tokens, expected, images.twins)
+    region = KV if images.region == KV else CONV
+    expected = prefixes.get(split[1], region) if split else None
+    matches = None if expected is None else prefix_matches(tokens, expected, images.twins, region)
     if matches is not False:
         return None if matches is None else False
-    window = [int(t) for t in tokens[len(tokens) - expected.window:]]
+    window = window_tokens(tokens, expected, region)
     record.verdicts.append(Verdict.PREFIX_MISMATCH)
     record.evidence["prefix_mismatch"] = {
-        "chunk_hash": split[1], "window": expected.window, "recorded_digest": expected.digest,
-        "decoded_digest": prefix_digest(window), "digest": DIGEST,
+        "chunk_hash": split[1], "region": images.region, "window": expected.window,
+        "recorded_digest": expected.digest, "decoded_digest": prefix_digest(window), "digest": DIGEST,
         "shared_images": sum(token in images.twins for token in window)}
     return True

@@ -2,12 +2,13 @@
 
 The recorder plugin (`audit.recorder.manifest`) writes ``manifest-{host}-{pid}.json`` beside its
 block records, once per engine process: per KV-cache group, its kind, block and page size, each
-registered segment in registration order with its per-block length and the owning layer's tensor,
-and a Mamba page's states. Read here into one exact `Layout` per (model, group): attention pages as
-one ``kv`` region of the tensor's per-block shape and dtype, Mamba pages as their ``state`` regions
-then ``padding``, and a segment no layer of the group owns (another group's layer: hybrid models
-share each buffer between groups) as ``unused`` padding. Every rank writes one; ranks of one
-deployment give the same layouts, and two that differ are an error, never a guess.
+registered segment in registration order with its per-block length and the owning layer's tensor
+(and decoder layer: `segment_layer`), and a Mamba page's states. Read here into one exact `Layout`
+per (model, group): attention pages as one ``kv`` region of the tensor's per-block shape and dtype,
+Mamba pages as their ``state`` regions then ``padding``, and a segment no layer of the group owns
+(another group's layer: hybrid models share each buffer between groups) as ``unused`` padding.
+Every rank writes one; ranks of one deployment give the same layouts, and two that differ are an
+error, never a guess.
 """
 
 from __future__ import annotations
@@ -177,13 +178,62 @@ def group_layout(document: dict, group: dict) -> Layout | None:
             built.append(Segment(segment["index"], f"unused.{segment['index']}", -1, offset, block_len,
                                  unused_regions(offset, block_len)))
         else:
-            layer = segment["layer_index"]
+            layer = segment_layer(document, segment)
             name = segment["layer"] if layer is None else layer_segment_name(layer)
             regions = (_state_regions(group, segment, offset) if kind != "attention"
                        else _kv_regions(document, segment, offset))
             built.append(Segment(segment["index"], name, -1 if layer is None else layer, offset, block_len, regions))
         offset += block_len
     return Layout(document["model"], group["group"], kind, document["tp_size"], tuple(built))
+
+
+def segment_layer(document: dict, segment: dict) -> int | None:
+    """The decoder layer of the layer owning a segment of `document`: the manifest's
+    ``decoder_layer``, or, in a manifest written before the recorder kept it, the one its name says."""
+    if "decoder_layer" in segment:
+        return segment["decoder_layer"]
+    name = segment.get("layer")
+    return None if name is None else decoder_layer(name, layer_name_offset(document))
+
+
+def decoder_layer(name: str, offset_of_names: int | None) -> int | None:
+    """The decoder layer vLLM's layer `name` belongs to: the one integer of the name (vLLM's
+    ``extract_layer_index``; None when it has not exactly one), less `offset_of_names` where vLLM
+    offset it. vLLM wants each cache layer's name to hold an index of its own, so Falcon-H1
+    (``FalconH1ParallelHybrid``) names decoder layer ``i``'s SSM mixer ``model.{L + i}.mixer``
+    (``L``: ``num_hidden_layers``) beside its attention ``model.layers.{i}.attn``: an index right
+    under the root, and at least the offset, is such a name's."""
+    found = _layer_number(name)
+    if found is None:
+        return None
+    index, offset_named = found
+    if offset_named and offset_of_names is not None and index >= offset_of_names:
+        return index - offset_of_names
+    return index
+
+
+def layer_name_offset(document: dict) -> int | None:
+    """``num_hidden_layers`` as vLLM offsets Falcon-H1's mixer names by it (`decoder_layer`), read off
+    a manifest's layer names: a rank's decoder layers each have both an attention layer
+    (``model.layers.{i}.attn``) and a mixer (``model.{L + i}.mixer``), so the first mixer's index less
+    the first attention layer's; None when its names are not both kinds."""
+    offset_named, layer_named = [], []
+    for group in document["groups"]:
+        for found in filter(None, map(_layer_number, group.get("layers") or ())):
+            (offset_named if found[1] else layer_named).append(found[0])
+    if not offset_named or not layer_named or min(offset_named) <= min(layer_named):
+        return None
+    return min(offset_named) - min(layer_named)
+
+
+def _layer_number(name: str) -> tuple[int, bool] | None:
+    """The one integer of a layer name, and whether it stands right under the root (``model.2.mixer``,
+    not ``model.layers.2.attn``); None when the name has not exactly one."""
+    parts = name.split(".")
+    at = [position for position, part in enumerate(parts) if part.isdigit()]
+    if len(at) != 1:
+        return None
+    return int(parts[at[0]]), at[0] == 1 and parts[0] != "layers"
 
 
 def _kv_regions(document: dict, segment: dict, offset: int) -> tuple[Region, ...]:

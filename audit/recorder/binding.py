@@ -1,8 +1,9 @@
-"""Layer-0 binding in the guards: a state whose layer-0 conv rows are not images of tokens under
-the process's own weights is ``WEIGHTS_MISMATCH``; one whose rows are images of other tokens than
-those the process's own scheduler recorded for the key's chunk hash (its request's tokens at that
-boundary, `audit.recorder.prefixes`) is ``PREFIX_MISMATCH``. The load guard refuses such a value
-(`audit.recorder.guard`), the put guard withholds it (`audit.recorder.wrapper`).
+"""Layer-0 binding in the guards: a state whose layer-0 conv rows (or an attention block whose
+layer-0 V rows) are not images of tokens under the process's own weights is ``WEIGHTS_MISMATCH``;
+one whose rows are images of other tokens than those the process's own scheduler recorded for the
+key's chunk hash (its request's tokens: a conv state's last tokens before the boundary, a KV
+block's own tokens, `audit.recorder.prefixes`) is ``PREFIX_MISMATCH``. The load guard refuses such
+a value (`audit.recorder.guard`), the put guard withholds it (`audit.recorder.wrapper`).
 
 The weights are those vLLM loaded (the manifest's ``model_path``); the token-image table is built
 (or read from the user's cache) in a daemon thread once the process has described its caches, so
@@ -18,15 +19,17 @@ import functools
 import itertools
 import json
 import logging
+import operator
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from audit.layouts.manifest import segment_layer
 from audit.prefixrecords import PREFIX_RECORD_PREFIX, PrefixRecords, parse_prefix_record
 from audit.recorder.deny import RecordTail
 
@@ -56,38 +59,67 @@ def host_bytes(address: int, size: int) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class Layer0Conv:
-    """Where a group's keys hold layer 0's conv state: which segment, and the state's place in it."""
+class Layer0Rows:
+    """Where a group's keys hold layer 0's token rows: which segment, and the region there: a conv
+    state ("conv", its shape as vLLM's MambaSpec gives it), or an attention page ("v": (heads,
+    tokens, 2 * head_size), read as `audit.judge.binding.token_rows` reads it)."""
 
     segment: int
     offset: int
     length: int
     dtype: str
     shape: tuple[int, ...]
+    kind: str = "conv"
+
+
+# Attention pages in these dtypes hold V as computed (an fp8 cache is scaled and rounded: not bound)
+_UNSCALED = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _attention_rows(group: dict, segment: dict) -> Layer0Rows | None:
+    """Layer 0's attention page, where its segment is one whole page of K and V for every KV head
+    and token of the block (vLLM's CPU backend); None otherwise (a K/V split, fp8, MLA)."""
+    attention, block_size = group.get("attention") or {}, group.get("block_size")
+    heads, size, dtype = attention.get("num_kv_heads"), attention.get("head_size"), attention.get("dtype")
+    if dtype not in _UNSCALED or not heads or not size or not block_size \
+            or (attention.get("head_size_v") or size) != size:
+        return None
+    length = int(heads) * int(block_size) * 2 * int(size) * _UNSCALED[dtype]
+    if int(segment["block_len"]) != length:
+        return None
+    return Layer0Rows(int(segment["index"]), 0, length, dtype, (int(heads), int(block_size), 2 * int(size)), "v")
 
 
 class StateBinder:
     def __init__(self, directory: Path):
         self._tail = RecordTail([Path(directory)], f"{PREFIX_RECORD_PREFIX}*.jsonl*")
         self.prefixes = PrefixRecords()
-        self.conv: dict[int, Layer0Conv] = {}
+        self.layer0: dict[int, Layer0Rows] = {}
         self.images = None
         self.status = "not described yet"
         self.building: threading.Thread | None = None  # the thread building the images (joined by tests)
         self._refreshed = -REFRESH_S
 
     def describe(self, document: dict, *, background: bool = True) -> threading.Thread | None:
-        """The consumer's manifest: each group's layer-0 conv state, and the weights it loaded."""
-        self.conv = {}
+        """The consumer's manifest: each group's layer-0 conv state or attention page, and the
+        weights it loaded."""
+        self.layer0 = {}
         for group in document.get("groups") or []:
             conv = next((s for s in group.get("states") or () if s.get("name") == "conv"), None)
-            segment = next((s for s in group.get("segments") or () if s.get("layer_index") == 0), None)
-            if conv is not None and segment is not None and not segment.get("offset_in_page"):
-                self.conv[int(group["group"])] = Layer0Conv(int(segment["index"]), int(conv["offset"]),
-                                                            int(conv["length"]), conv["dtype"], tuple(conv["shape"]))
+            segment = next((s for s in group.get("segments") or () if segment_layer(document, s) == 0), None)
+            if segment is None or segment.get("offset_in_page"):
+                continue
+            if conv is not None:
+                self.layer0[int(group["group"])] = Layer0Rows(int(segment["index"]), int(conv["offset"]),
+                                                              int(conv["length"]), conv["dtype"], tuple(conv["shape"]))
+            elif (rows := _attention_rows(group, segment)) is not None:
+                self.layer0[int(group["group"])] = rows
+        if any(rows.kind == "conv" for rows in self.layer0.values()):  # a hybrid's image rule is its conv state's
+            self.layer0 = {group: rows for group, rows in self.layer0.items() if rows.kind == "conv"}
         model_path = document.get("model_path")
-        if not self.conv or not model_path:
-            self.status = "no layer-0 conv state" if not self.conv else "the loaded model is not a directory here"
+        if not self.layer0 or not model_path:
+            self.status = ("no layer-0 conv state or attention page" if not self.layer0
+                           else "the loaded model is not a directory here")
             return None
         self.status = "building the token images"
 
@@ -122,46 +154,73 @@ class StateBinder:
             return {}
         from audit.checks.binding import ROW_TOLERANCE, nearest_tokens
         from audit.checks.floats import decode_floats
-
-        by_conv: dict[Layer0Conv, list[tuple[int, np.ndarray]]] = {}  # one decode per state geometry
-        for index in loaded:
-            match = _GROUP.search(keys[index])
-            conv = self.conv.get(int(match.group(1)) if match else 0)
-            if conv is not None:
-                data = segment_bytes(index, conv.segment)[conv.offset:conv.offset + conv.length]
-                if len(data) == conv.length:
-                    by_conv.setdefault(conv, []).append((index, data))
-        members, rows = [], []
-        for conv, values in by_conv.items():
-            numbers = decode_floats(np.stack([data for _, data in values]), conv.dtype)
-            if numbers is None or numbers.size != len(values) * int(np.prod(conv.shape)):
-                continue
-            states = numbers.reshape(len(values), *conv.shape).astype(np.float32, copy=False)
-            if states.shape[1] > states.shape[2]:  # a "DS" layout: (dim, state_len)
-                states = states.transpose(0, 2, 1)
-            if states.shape[2] != images.columns:
-                continue
-            members += [(index, states.shape[1]) for index, _ in values]
-            rows.append(states.reshape(-1, states.shape[2]))
-        if not members:
-            return {}
+        from audit.judge.binding import token_rows
         from audit.judge.prefixes import prefix_matches
 
-        decoded, distances = nearest_tokens(np.concatenate(rows), images)
-        tokens, near = decoded.tolist(), (distances <= ROW_TOLERANCE).tolist()
-        hashes = {index: keys[index].rpartition("@")[2] for index, _ in members}
-        if any(self.prefixes.get(chunk_hash) is None for chunk_hash in hashes.values()):
+        hashes = {index: keys[index].rpartition("@")[2] for index in loaded}
+        by_geometry: dict[Layer0Rows, list[tuple[int, np.ndarray]]] = {}  # one decode per geometry
+        for index in loaded:
+            match = _GROUP.search(keys[index])
+            rows = self.layer0.get(int(match.group(1)) if match else 0)
+            if rows is None or rows.kind != images.region:
+                continue
+            data = segment_bytes(index, rows.segment)[rows.offset:rows.offset + rows.length]
+            if len(data) == rows.length:
+                by_geometry.setdefault(rows, []).append((index, data))
+        pending: list[tuple[int, np.ndarray, Iterator]] = []  # (index, rows, its later readings)
+        for geometry, values in by_geometry.items():
+            numbers = decode_floats(np.stack([data for _, data in values]), geometry.dtype)
+            if numbers is None or numbers.size != len(values) * int(np.prod(geometry.shape)):
+                continue
+            if geometry.kind == "v":  # the CPU backend's page first: a head's K of every token, then its V
+                heads, tokens, width = geometry.shape
+                states = numbers.reshape(len(values), heads, 2, tokens, width // 2)[:, :, 1].transpose(0, 2, 1, 3)
+                states = states.reshape(len(values), tokens, heads * (width // 2)).astype(np.float32)
+            else:
+                states = numbers.reshape(len(values), *geometry.shape).astype(np.float32, copy=False)
+                if states.shape[1] > states.shape[2]:  # a "DS" layout: (dim, state_len)
+                    states = states.transpose(0, 2, 1)
+            if states.shape[2] != images.columns:
+                continue
+            for (index, data), state in zip(values, states):
+                if geometry.kind == "conv":
+                    pending.append((index, state, iter(())))
+                    continue
+                filled = self._filled_rows(hashes[index])  # a partial tail block: its own tokens' rows only
+                later = itertools.islice(token_rows(data, geometry, "v"), 1, None)  # the page interface's orders
+                pending.append((index, state[:filled], map(operator.itemgetter(slice(filled)), later)))
+        found, region = {}, "v" if images.region == "v" else "conv"
+        decided: dict[int, tuple[list[int], bool]] = {}  # index -> (its tokens, all rows near an image)
+        while pending:  # a page's later byte orders only for values the likelier ones did not bind
+            decoded, distances = nearest_tokens(np.concatenate([rows for _, rows, _ in pending]), images)
+            tokens, near, start, later = decoded.tolist(), (distances <= ROW_TOLERANCE).tolist(), 0, []
+            for index, rows, readings in pending:
+                end = start + len(rows)
+                bound = all(near[start:end])
+                if bound or index not in decided:
+                    decided[index] = (tokens[start:end], bound)
+                if not bound and (rows := next(readings, None)) is not None:
+                    later.append((index, rows, readings))
+                start = end
+            pending = later
+        if any(self.prefixes.get(hashes[index], region) is None for index in decided):
             self._refresh()
-        found, start = {}, 0
-        for index, count in members:
-            end = start + count
-            expected = self.prefixes.get(hashes[index])
-            if not all(near[start:end]):
+        for index, (tokens, bound) in decided.items():
+            expected = self.prefixes.get(hashes[index], region)
+            if not bound:
                 found[index] = WEIGHTS_MISMATCH
-            elif expected is not None and prefix_matches(tokens[start:end], expected, images.twins) is False:
+            elif expected is not None and prefix_matches(tokens, expected, images.twins, region) is False:
                 found[index] = PREFIX_MISMATCH
-            start = end
         return found
+
+    def _filled_rows(self, chunk_hash: str) -> int | None:
+        """How many of an attention page's V rows are its block's own tokens, where the request's
+        record says (a partial tail block's later rows hold what the page held before); None: all."""
+        block = self.prefixes.get(chunk_hash, "v")
+        if block is None:
+            self._refresh()
+            block = self.prefixes.get(chunk_hash, "v")
+        return None if block is None else block.window
 
     def _refresh(self) -> None:
         """The prefix records written since the last read (at most every REFRESH_S: a key without a
@@ -175,7 +234,4 @@ class StateBinder:
                 self.prefixes.add(*parse_prefix_record(json.loads(line)))
             except (ValueError, TypeError):
                 self.prefixes.skipped += 1
-        digests = self.prefixes.digests
-        if len(digests) > CAPACITY:
-            for stale in list(itertools.islice(digests, len(digests) - CAPACITY // 2)):
-                del digests[stale]
+        self.prefixes.trim(CAPACITY)

@@ -37,7 +37,13 @@ from audit.layouts.fingerprint import (
     fingerprint,
     fingerprint_enabled,
 )
-from audit.layouts.manifest import MANIFEST_SCHEMA, MANIFEST_VERSION, manifest_name
+from audit.layouts.manifest import (
+    MANIFEST_SCHEMA,
+    MANIFEST_VERSION,
+    decoder_layer,
+    layer_name_offset,
+    manifest_name,
+)
 from audit.recorder.records import DEFAULT_TENANT, logger
 
 WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker"
@@ -113,6 +119,7 @@ def describe_worker(worker, kv_caches: dict) -> dict | None:
     cache_config = worker.cache_config
     groups = [_describe_group(database, group, factor, pages) for database, group, factor in
               zip(databases, worker.coord.kv_cache_groups, worker.group_tp_replication_factors, strict=True)]
+    _name_decoder_layers(groups)
     return {
         "schema": MANIFEST_SCHEMA, "version": MANIFEST_VERSION, "written_at": time.time(),
         "host": socket.gethostname(), "pid": os.getpid(),
@@ -264,6 +271,30 @@ def _describe_segment(index: int, base: int, block_len: int, layers, everyone, p
     return {"index": index, "block_len": block_len, "layer": owner, "layer_index": layer_index(owner),
             "offset_in_page": base - start, "dtype": _dtype_name(tensor.dtype),
             "tensor_shape": list(tensor.shape), "tensor_stride": list(tensor.stride())}
+
+
+def _name_decoder_layers(groups: list[dict]) -> None:
+    """Each owned segment's ``decoder_layer``: its layer's index, less the offset vLLM put into a
+    Falcon-H1 mixer's name (``num_hidden_layers`` of the model it runs; the manifest's names'
+    where vLLM's config is not at hand)."""
+    offset = _hidden_layers()
+    if offset is None:
+        offset = layer_name_offset({"groups": groups})
+    for group in groups:
+        for segment in group["segments"] or ():
+            if segment["layer"] is not None:
+                segment["decoder_layer"] = decoder_layer(segment["layer"], offset)
+
+
+def _hidden_layers() -> int | None:
+    """The (text) config's ``num_hidden_layers`` of the model vLLM runs; None when not at hand."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:
+        return None
+    config = getattr(get_current_vllm_config_or_none(), "model_config", None)
+    count = getattr(getattr(config, "hf_text_config", None), "num_hidden_layers", None)
+    return count if isinstance(count, int) else None
 
 
 def _states(spec) -> list[dict]:

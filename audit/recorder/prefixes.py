@@ -4,7 +4,9 @@ which tokens a state published under it must hold at layer 0 (`audit.prefixrecor
 A key's last field is the hex of ``request.block_hashes[k // hash_block_size - 1]`` for the boundary
 at ``k`` tokens (vLLM 0.32 ``store/worker.py``), so the scheduler, which holds every request's
 tokens and block hashes, can say for each hash what its boundary's last ``window`` tokens digest to.
-The store wrapper (`audit.recorder.wrapper`) sees only keys and addresses, hence this second hook.
+Where layer 0 is attention, its KV block holds the V of the block's own tokens, from the block's start
+to the boundary (a partial tail block, keyed at a boundary inside its block, holds only those), so
+each hash names that window too. The store wrapper (`audit.recorder.wrapper`) sees only keys and addresses, hence this second hook.
 It runs when a request is allocated (its prompt's hashes) and as each step's connector metadata is
 built (the hashes its output added since), and writes each hash once per process.
 """
@@ -15,6 +17,7 @@ import logging
 from collections.abc import Sequence
 
 from audit.prefixrecords import prefix_line
+from audit.recorder.manifest import layer_index
 from audit.recorder.records import RecordWriter
 
 logger = logging.getLogger("vllm.mooncake_audit")
@@ -34,28 +37,50 @@ def conv_window(hf_config) -> int | None:
     return None
 
 
-class PrefixRecorder:
-    """Writes the prefix records of the requests one scheduler sees."""
+def layer0_attention_block_size(kv_cache_config) -> int | None:
+    """The block size of the KV-cache group holding layer 0, where that group is attention (its
+    blocks hold tokens' KV); None where layer 0 holds a recurrent state or is not found."""
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        if any(layer_index(name) == 0 for name in group.layer_names):
+            spec = group.kv_cache_spec
+            inner = getattr(spec, "kv_cache_specs", None)  # a UniformTypeKVCacheSpecs: its layer 0's own
+            if inner:
+                spec = next((s for name, s in inner.items() if layer_index(name) == 0), spec)
+            attention = any(cls.__name__ == "AttentionSpec" for cls in type(spec).__mro__)
+            return int(spec.block_size) if attention else None
+    return None
 
-    def __init__(self, writer: RecordWriter, window: int, hash_block_size: int):
+
+class PrefixRecorder:
+    """Writes the prefix records of the requests one scheduler sees: per hash, the last `window`
+    tokens before its boundary (a conv state's), the tokens of its `kv_block_size` block up to the
+    boundary (an attention block's), or both; a None names no such window."""
+
+    def __init__(self, writer: RecordWriter, window: int | None, hash_block_size: int,
+                 kv_block_size: int | None = None):
         self.writer, self.window, self.hash_block_size = writer, window, hash_block_size
+        self.kv_block_size = kv_block_size
         self._seen: set[bytes] = set()
         self._done: dict[str, int] = {}  # request id -> how many of its hashes were recorded
 
     def record(self, request_id: str, block_hashes: Sequence[bytes], tokens: Sequence[int]) -> None:
-        """The request's hashes not recorded yet (each boundary's last `window` tokens)."""
+        """The request's hashes not recorded yet."""
         start = self._done.get(request_id, 0)
         if start >= len(block_hashes):
             return
         lines = []
+        window, kv_block = self.window, self.kv_block_size
         for index in range(start, len(block_hashes)):
             boundary = (index + 1) * self.hash_block_size
             if boundary > len(tokens):
                 break
             raw = bytes(block_hashes[index])
-            if boundary >= self.window and raw not in self._seen:
+            conv = window is not None and boundary >= window
+            if (conv or kv_block) and raw not in self._seen:
                 self._seen.add(raw)
-                lines.append(prefix_line(raw.hex(), self.window, tokens[boundary - self.window:boundary]))
+                lines.append(prefix_line(
+                    raw.hex(), window if conv else None, tokens[boundary - window:boundary] if conv else None,
+                    tokens[(boundary - 1) // kv_block * kv_block:boundary] if kv_block else None))
             self._done[request_id] = index + 1
         if len(self._seen) > SEEN_LIMIT:
             self._seen.clear()
@@ -69,7 +94,7 @@ class PrefixRecorder:
 
 def install_prefix_recorder(writer: RecordWriter) -> bool:
     """Wrap MooncakeStoreScheduler so that each request's hashes are recorded (models with a layer-0
-    conv state); False where that class is not importable (a vLLM without the connector)."""
+    conv state or layer-0 attention); False where that class is not importable (a vLLM without the connector)."""
     try:
         from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import (
             scheduler as module,
@@ -84,9 +109,10 @@ def install_prefix_recorder(writer: RecordWriter) -> bool:
     def __init__(self, vllm_config, *args, **kwargs):
         init(self, vllm_config, *args, **kwargs)
         window = conv_window(vllm_config.model_config.hf_text_config)
+        kv_block_size = layer0_attention_block_size(getattr(self, "kv_cache_config", None))
         hash_block_size = getattr(self, "_hash_block_size", None)
-        self.audit_prefix_recorder = (PrefixRecorder(writer, window, int(hash_block_size))
-                                      if window and hash_block_size else None)
+        self.audit_prefix_recorder = (PrefixRecorder(writer, window, int(hash_block_size), kv_block_size)
+                                      if (window or kv_block_size) and hash_block_size else None)
 
     def _record(recorder: PrefixRecorder, request) -> None:
         try:

@@ -27,7 +27,12 @@ two groups, Zamba2, Falcon-H1 with and without muP multipliers) and LFM2 (ShortC
   per rank): every published block's layer-0 V rows (the CPU backend's page: a head's K of every
   token, then its V) are the images, under ``v_proj``, of that block's own tokens (its hash says
   which); a scan with the weights binds every key, and one with another checkpoint flags every key.
-  Attention keys have no prefix records (their K is not bound, their V is the block's own tokens).
+  The Llama producers run with the put guard (``MOONCAKE_AUDIT_GUARD=1``), which binds each block's
+  V rows too: it withholds none. Each block's hash has its prefix record of the block's own tokens,
+  a scan with them flags nothing; a block replaced by another request's (its own key gone) is
+  PREFIX_MISMATCH, alone, and a guarded consumer (``MOONCAKE_AUDIT_LOAD_GUARD=1``, ``"recompute"``)
+  of the producer's prompts refuses that block alone, keeps every other hit, and answers as the
+  producer (cold, on an empty store) did.
 """
 
 from __future__ import annotations
@@ -115,6 +120,7 @@ class Produced:
     prompts: list[list[int]]
     block: int                           # the engine's block size
     records: Path                        # the recorder's directory (put and prefix records)
+    run: object = None                   # the engine's run (its outputs, its log)
     scan: harness.Scan | None = None
 
 
@@ -148,11 +154,11 @@ def _produce(session, models_dir: Path, case: Case) -> Produced:
         run = harness.run_engine(models_dir / case.model, config, [batch], records.parent,
                                  mamba=ALL_MODELS[case.model].mamba,
                                  block_size=case.block, dtype=case.dtype, tp=case.tp, max_tokens=2, drain=True,
-                                 record_dir=records, extra_env={OLMO_CPU_ENV: "1"}
+                                 record_dir=records, guard=case.name in ATTENTION_CASES, extra_env={OLMO_CPU_ENV: "1"}
                                  if ALL_MODELS[case.model].family == "olmo_hybrid" else None)
         keys = harness.published_keys(cluster, run)
     result = Produced(case, cluster, config, models_dir / case.model, keys, run.prompts[0], run.vllm["block_size"],
-                      records)
+                      records, run)
     result.scan = harness.scan(config, cluster, "--model-config", str(result.model_dir))
     return result
 
@@ -331,9 +337,19 @@ def test_every_key_has_its_prefix_record_and_matches_it(session, models_dir, obs
     scan = harness.scan(result.config, result.cluster, "--model-config", str(result.model_dir),
                         "--block-tables", str(result.records))
     assert scan.report is not None, f"exit {scan.rc}: {scan.stderr[-800:]}"
-    observed.setdefault("prefix_records", {})[name] = {"keys": len(result.keys), "hashes_recorded": len(recorded),
-                                                       "flagged": sorted(scan.keys_with("PREFIX_MISMATCH"))}
-    assert scan.report["summary"]["binding"]["prefix_records"]["hashes"] == len(recorded)
+    binding = scan.report["summary"]["binding"]
+    records = {r["key"]: r for r in scan.records}
+    # read with the manifest's layouts (--block-tables): the keys whose layer-0 conv state it finds
+    layer0 = [key for key in result.keys if any(r["layer"] == 0 and r["region"] == "conv"
+                                                for r in records[key]["regions"])]
+    observed.setdefault("prefix_records", {})[name] = {
+        "keys": len(result.keys), "hashes_recorded": len(recorded), "keys_with_layer0_conv": len(layer0),
+        "keys_prefix_checked": binding["prefix_records"]["keys_checked"],
+        "flagged": sorted(scan.keys_with("PREFIX_MISMATCH"))}
+    assert binding["prefix_records"]["hashes"] == len(recorded)
+    # not vacuous: each of them decoded and compared with its record, and the model bound by them
+    assert layer0 and binding["prefix_records"]["keys_checked"] >= len(layer0), binding
+    assert binding["bound"] == [result.case.model] and binding["keys_decoded"][result.case.model] >= len(layer0)
     # (the other checkpoint's keys, when its test ran first, are WEIGHTS_MISMATCH: not this engine's)
     ours = [r for r in scan.report["findings"] if r["key"] in set(result.keys)]
     assert scan.keys_with("PREFIX_MISMATCH") == set() and ours == [], ours[:2]
@@ -364,3 +380,80 @@ def test_another_requests_state_under_a_key_is_prefix_mismatch(session, models_d
     assert set(flagged) == {victim} and flagged[victim]["verdicts"] == ["PREFIX_MISMATCH"], flagged
     assert scan.keys_with("PREFIX_MISMATCH") == {victim} and scan.rc == 1
 
+
+
+@pytest.mark.parametrize("name", ATTENTION_CASES)
+def test_every_attention_block_has_its_own_tokens_record_and_the_put_guard_withheld_none(session, models_dir,
+                                                                                          observed, name):
+    """Issue #40 §3-4 for attention: the recorder named each published block's own tokens under its
+    hash (the KV window: the block, 32 tokens), a scan with them compares every key and flags
+    nothing, and the put guard, bound (its log says so), withheld no healthy block."""
+    from audit.prefixrecords import read_prefix_records
+
+    result = produced(session, models_dir, name)
+    recorded = read_prefix_records([result.records])
+    hashes = {harness.key_fields(key)["hash"] for key in result.keys}
+    assert hashes and {recorded.get(h, "v").window for h in hashes} == {result.block}
+    assert not recorded.conflicts and recorded.skipped == 0
+    puts = [json.loads(line) for path in result.records.rglob("blocks-*.jsonl")
+            for line in path.read_text().splitlines() if line.strip()]
+    assert puts and [line for line in puts if line.get("reason")] == []
+    assert "mooncake-audit guard: layer-0 binding ready" in result.run.log_path.read_text()
+    scan = harness.scan(result.config, result.cluster, "--model-config", str(result.model_dir),
+                        "--block-tables", str(result.records))
+    assert scan.report is not None, f"exit {scan.rc}: {scan.stderr[-800:]}"
+    binding = scan.report["summary"]["binding"]
+    observed.setdefault("prefix_records", {})[name] = {
+        "keys": len(result.keys), "hashes_recorded": len(recorded),
+        "keys_prefix_checked": binding["prefix_records"]["keys_checked"], "flagged": sorted(scan.keys_with("PREFIX_MISMATCH"))}
+    assert binding["prefix_records"]["keys_checked"] == len(result.keys), binding
+    assert [r for r in scan.report["findings"] if r["key"] in set(result.keys)] == [] and scan.rc == 0
+
+
+def test_a_guarded_llama_consumer_refuses_another_blocks_kv_and_keeps_every_other_hit(session, models_dir, observed):
+    """A Llama block replaced by another request's block (its own key gone): finite, of these
+    weights, PREFIX_MISMATCH in the scan; a guarded consumer of the producer's own prompts refuses
+    it alone as PREFIX_MISMATCH (its V rows are images of other tokens than its request's own for
+    that block), loads every other hit, recomputes, and answers as the producer did. One engine
+    more (a consumer of the tiny Llama at TP 1)."""
+    import time
+
+    from audit.connection import Settings
+    from audit.workload import Publisher
+
+    result = produced(session, models_dir, "llama-tp1")
+    by_hash = {harness.key_fields(key)["hash"]: key for key in result.keys}
+    first, second = (list(block_hashes(prompt, result.block)) for prompt in result.prompts[:2])
+    victim, source = by_hash[first[1]], by_hash[second[1]]  # each prompt's second block
+    values = _values(result.config, [source])
+    publisher = Publisher(Settings.resolve(config=result.config, admin=result.cluster.admin_url,
+                                           local_hostname="127.0.0.1"))
+    try:
+        for key in (victim, source):
+            harness.remove_when_unleased(publisher, key)
+        publisher.put(victim, values[source])
+    finally:
+        publisher.close()
+    scan = harness.scan(result.config, result.cluster, "--model-config", str(result.model_dir),
+                        "--block-tables", str(result.records))
+    assert scan.report is not None, f"exit {scan.rc}: {scan.stderr[-800:]}"
+    flagged = {r["key"]: r["verdicts"] for r in scan.report["findings"] if r["key"] in set(result.keys)}
+    assert flagged == {victim: ["PREFIX_MISMATCH"]} and scan.rc == 1, flagged
+
+    work = session.root / "binding-llama-tp1-guarded-consumer"
+    started = time.monotonic()
+    consumer = harness.run_engine(result.model_dir, result.config, [result.prompts], work, mamba=False,
+                                  block_size=result.block, dtype=result.case.dtype, max_tokens=2,
+                                  record_dir=work / "records", load_guard=True, kv_role="kv_consumer",
+                                  kv_load_failure_policy="recompute")
+    loads = [json.loads(line) for path in sorted((work / "records").rglob("loads-*.jsonl"))
+             for line in path.read_text().splitlines() if line.strip()]
+    refused = {r["key"]: r["reason"] for r in loads if r.get("refused")}
+    kept = {r["key"] for r in loads if not r.get("refused") and isinstance(r.get("rc"), int) and r["rc"] >= 0}
+    observed["llama_guarded_consumer"] = {"refused": refused, "hits_kept": len(kept),
+                                          "engine_s": round(time.monotonic() - started, 1)}
+    assert refused.get(victim) == "PREFIX_MISMATCH" and set(refused.values()) <= {"PREFIX_MISMATCH", "DENIED"}
+    assert set(refused) == {victim}, refused
+    # every other block the consumer's prompts hit (the source's request stops at its missing block)
+    assert kept == set(result.keys) - {victim, source} - set(by_hash[h] for h in second[2:]), sorted(kept)
+    assert consumer.tokens(0) == result.run.tokens(0)

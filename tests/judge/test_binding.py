@@ -56,7 +56,8 @@ def test_rows_of_other_weights_or_garbage_are_weights_mismatch(publisher, cli_ar
         assert record["verdicts"] == ["WEIGHTS_MISMATCH"]
         evidence = record["evidence"]["weights_mismatch"]
         assert evidence["layer"] == 0 and min(row["distance"] for row in evidence["rows"]) > evidence["row_tolerance"]
-    assert document["summary"]["binding"] == {"bound": [MODEL], "not_bound": {}, "row_tolerance": 0.05}
+    assert document["summary"]["binding"] == {"bound": [MODEL], "not_bound": {}, "row_tolerance": 0.05,
+                                              "keys_decoded": {MODEL: 8}}
     assert document["summary"]["verdicts"].get("WEIGHTS_MISMATCH") == 2
     human = run_cli("scan", *cli_args, "--prefix", namespace[:-1] + "@", "--model-config", str(ours), *FLAGS,
                     "--no-progress")
@@ -109,7 +110,7 @@ def _attention_page(v_rows: np.ndarray, heads: int, rng, order: str = "cpu") -> 
 def test_attention_values_are_bound_by_layer_0s_v_rows(tmp_path):
     """A Llama's layer-0 V rows are token images: a value of these weights binds (in the CPU
     backend's order, and in a token-major page), one of other weights or garbage is WEIGHTS_MISMATCH
-    (evidence region "v"); the prefix records are not consulted (they name conv windows only)."""
+    (evidence region "v"); a conv window's record says nothing of a KV block."""
     from audit.judge.binding import Bindings, bind_values
     from audit.judge.key import judge_read
     from audit.prefixrecords import PrefixDigest, PrefixRecords, prefix_digest
@@ -143,3 +144,81 @@ def test_attention_values_are_bound_by_layer_0s_v_rows(tmp_path):
     assert evidence["region"] == "v" and len(evidence["rows"]) == 16
     assert min(row["distance"] for row in evidence["rows"]) > evidence["row_tolerance"]
     assert bindings.summary()["bound"] == [MODEL] and bindings.summary()["not_bound"] == {}
+
+
+def test_an_attention_block_of_other_tokens_under_its_hash_is_prefix_mismatch(tmp_path):
+    """A KV block's record names the block's own tokens (issue #40 §3): a page whose V rows are
+    images of other tokens is PREFIX_MISMATCH (evidence region "v"); a partial tail block is judged
+    on the rows its record names (its later rows hold whatever the page held before: here no
+    token's image, which without its record is WEIGHTS_MISMATCH); other weights stay
+    WEIGHTS_MISMATCH; a block without a record is judged on its weights alone."""
+    from audit.judge.binding import Bindings, bind_values
+    from audit.judge.key import judge_read
+    from audit.prefixrecords import PrefixRecords, parse_prefix_record, prefix_line
+    from audit.records import KeyInfo
+    from tests.layouts.test_images import llama_checkpoint
+
+    ours, theirs = tmp_path / MODEL, tmp_path / "other" / MODEL
+    llama_checkpoint(ours, np.random.default_rng(0), kv_heads=2)
+    llama_checkpoint(theirs, np.random.default_rng(1), kv_heads=2)
+    layout = next(layout for layout in load_layouts(model_configs=[ours], kv_cache_dtype="float32", block_size=16,
+                                                    model_dtype="float32", tp_given=True) if layout.tp_size == 1)
+    rng = np.random.default_rng(3)
+    mine, other = token_images(ours, MODEL, 1, 0), token_images(theirs, MODEL, 1, 0)
+    blocks = [rng.integers(0, 32, 16) for _ in range(5)]
+    tail = mine.images(blocks[2])
+    tail[5:] = 50 * rng.standard_normal(tail[5:].shape)  # past the tail block's 5 tokens: no token's image
+    v_rows = [mine.images(blocks[0]), mine.images(blocks[1][::-1]), tail, other.images(blocks[3]), mine.images(blocks[4])]
+    layer1 = rng.standard_normal((2, 16, 8)).astype(np.float32)
+    values = [np.concatenate([_attention_page(rows, 2, rng).ravel(), layer1.ravel()]).view(np.uint8) for rows in v_rows]
+    hashes = [f"{i:064x}" for i in range(len(values))]
+    records = [judge_read(KeyInfo(vllm_key(MODEL, h), layout.size), layout.size, None) for h in hashes]
+    for record in records:
+        record.verdicts.clear()
+    bindings = Bindings.of([ours])
+    bindings.prefixes = PrefixRecords()
+    for chunk_hash, tokens in zip(hashes[:4], (blocks[0], blocks[1], blocks[2][:5], blocks[3])):
+        bindings.prefixes.add(*parse_prefix_record(json.loads(prefix_line(chunk_hash, None, None, list(tokens)))))
+    bind_values(records, values, [(layout,)] * len(values), bindings)
+    assert [record.verdicts for record in records] == [[], ["PREFIX_MISMATCH"], [], ["WEIGHTS_MISMATCH"], []]
+    evidence = records[1].evidence["prefix_mismatch"]
+    assert evidence["region"] == "v" and evidence["window"] == 16 and evidence["chunk_hash"] == hashes[1]
+    unrecorded = [judge_read(KeyInfo(vllm_key(MODEL, "f" * 64), layout.size), layout.size, None)]
+    unrecorded[0].verdicts.clear()
+    bind_values(unrecorded, values[2:3], [(layout,)], bindings)  # the tail page without its record
+    assert unrecorded[0].verdicts == ["WEIGHTS_MISMATCH"]
+
+
+def test_a_model_none_of_whose_keys_were_decoded_at_layer_0_is_not_bound(tmp_path):
+    """Its weights' images built is not binding: a model whose values hold none of the rows its
+    images are of (here: conv images, values whose only layer-0 rows are attention V rows, as
+    Falcon-H1's keys were read when its mixers' offset names hid layer 0's conv state) is listed as
+    not bound, with the reason; once a key is decoded, it is bound, with its count."""
+    from audit.judge.binding import NO_LAYER0_STATE, Bindings, bind_values
+    from audit.judge.key import judge_read
+    from audit.records import KeyInfo
+    from tests.layouts.test_images import llama_checkpoint
+
+    ours = tmp_path / MODEL
+    tiny_mamba2_checkpoint(ours)
+    attention_dir = tmp_path / "attention" / MODEL
+    llama_checkpoint(attention_dir, np.random.default_rng(0))
+    attention = next(layout for layout in load_layouts(model_configs=[attention_dir], kv_cache_dtype="float32",
+                                                       block_size=16, model_dtype="float32", tp_given=True)
+                     if layout.tp_size == 1)
+    (state,) = load_layouts(model_configs=[ours], state_dtype="float32", ssm_dtype="float32")
+    rng = np.random.default_rng(1)
+    bindings = Bindings.of([ours])
+
+    def judge(layout, value: bytes) -> None:
+        record = judge_read(KeyInfo(vllm_key(MODEL, f"{len(value):064x}"), layout.size), layout.size, None)
+        record.verdicts.clear()
+        bind_values([record], [np.frombuffer(value, np.uint8)], [(layout,)], bindings)
+        assert record.verdicts == []
+
+    judge(attention, rng.standard_normal(attention.size // 4).astype(np.float32).tobytes())
+    summary = bindings.summary()
+    assert (summary["bound"], summary["not_bound"], summary["keys_decoded"]) == ([], {MODEL: NO_LAYER0_STATE}, {})
+    judge(state, _value(state, token_images(ours, MODEL, 1, 0).images([1, 2, 3]), rng))
+    summary = bindings.summary()
+    assert (summary["bound"], summary["not_bound"], summary["keys_decoded"]) == ([MODEL], {}, {MODEL: 1})

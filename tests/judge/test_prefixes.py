@@ -58,12 +58,14 @@ def test_a_state_of_other_tokens_under_its_hash_is_prefix_mismatch(publisher, cl
         evidence = record["evidence"]["prefix_mismatch"]
         assert evidence["window"] == 3 and evidence["recorded_digest"] != evidence["decoded_digest"]
     assert flagged[swapped]["evidence"]["prefix_mismatch"]["decoded_digest"] == prefix_digest([7, 8, 9])
-    assert document["summary"]["binding"]["prefix_records"] == {"hashes": 8, "conflicting": 0, "skipped_lines": 1}
+    # every key with a record compared with it (the unrecorded one is not)
+    assert document["summary"]["binding"]["prefix_records"] == {"hashes": 8, "conflicting": 0, "skipped_lines": 1,
+                                                                "keys_checked": 8}
 
 
 def test_shared_images_may_be_any_token_of_their_class():
     """Tokens 3 and 5 have one image (tied embeddings): rows decoded as 3 match a record of 5."""
-    images = SimpleNamespace(twins={3: np.array([3, 5]), 5: np.array([3, 5])})
+    images = SimpleNamespace(twins={3: np.array([3, 5]), 5: np.array([3, 5])}, region="conv")
     records = PrefixRecords()
     records.add("ab", PrefixDigest(3, prefix_digest([1, 5, 2])))
     records.add("cd", PrefixDigest(3, prefix_digest([1, 6, 2])))

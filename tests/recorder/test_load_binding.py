@@ -23,7 +23,8 @@ SSM = (4, 8)
 
 def _document(model_dir, columns: int) -> dict:
     conv_length, ssm_length = 3 * columns * 4, int(np.prod(SSM)) * 4
-    segments = [{"index": i, "block_len": conv_length + ssm_length, "layer_index": i, "offset_in_page": 0}
+    segments = [{"index": i, "block_len": conv_length + ssm_length, "layer": f"model.layers.{i}.mixer",
+                 "layer_index": i, "offset_in_page": 0}
                 for i in range(2)]
     return {"model": MODEL, "model_path": str(model_dir), "tp_size": 1, "tp_rank": 0, "groups": [{
         "group": 0, "segments": segments,
@@ -74,14 +75,14 @@ def test_the_guard_refuses_other_weights_and_other_prefixes_and_keeps_the_rest(t
 
 def test_until_the_images_are_built_nothing_is_bound(tmp_path):
     binder = StateBinder(tmp_path)
-    binder.conv = {0: None}  # described, images not ready: not one value judged
+    binder.layer0 = {0: None}  # described, images not ready: not one value judged
     assert binder.refusals([vllm_key(MODEL, "ab")], [0], lambda i, s: 1 / 0) == {}
 
 
 def test_nothing_is_bound_where_the_weights_are_not_here(tmp_path):
     binder = StateBinder(tmp_path)
     binder.describe({"model": MODEL, "model_path": None, "groups": []})
-    assert binder.status == "no layer-0 conv state" and binder.building is None
+    assert binder.status == "no layer-0 conv state or attention page" and binder.building is None
     tiny_mamba2_checkpoint(tmp_path / MODEL)
     (tmp_path / MODEL / "model.safetensors").unlink()
     binder.describe(_document(tmp_path / MODEL, 8), background=False)  # a config, no weights
@@ -129,3 +130,109 @@ def test_the_put_guard_withholds_what_the_load_guard_would_refuse(tmp_path):
     lines = [json.loads(line) for path in records.glob("blocks-*.jsonl") for line in path.read_text().splitlines()]
     assert {line["key"]: line.get("reason") for line in lines} == {
         keys[0]: None, keys[1]: "PREFIX_MISMATCH", keys[2]: "WEIGHTS_MISMATCH", keys[3]: None}
+
+
+def test_falcon_h1s_layer0_conv_is_found_under_its_offset_mixer_name(tmp_path):
+    """vLLM names Falcon-H1's decoder layer 0 mixer ``model.{num_hidden_layers}.mixer``: the binder
+    takes its conv state from that segment, in a manifest with ``decoder_layer`` and in one of a
+    recorder before it (the real vLLM's, tests/e2e/observed.json)."""
+    import json
+    from pathlib import Path
+
+    from audit.recorder.binding import Layer0Rows
+
+    runs = json.loads((Path(__file__).parents[1] / "e2e" / "observed.json").read_text())["runs"]
+    document = runs["manifest-falcon-h1-tiny"]["manifest"]
+    for segment in document["groups"][1]["segments"]:
+        segment.pop("decoder_layer", None)  # as an older recorder wrote it
+    expected = {1: Layer0Rows(0, 0, 1920, "float32", (3, 160))}
+    binder = StateBinder(tmp_path)
+    binder.describe(document)
+    assert binder.layer0 == expected
+    for segment, decoder in zip(document["groups"][1]["segments"], (1, 0)):
+        segment["decoder_layer"] = decoder  # the manifest's word wins
+    binder.describe(document)
+    assert binder.layer0 == {1: Layer0Rows(1, 0, 1920, "float32", (3, 160))}
+
+
+def _attention_document(model_dir) -> dict:
+    """A Llama consumer's manifest as vLLM's CPU backend describes it: one attention group of blocks
+    of 16 tokens, a page per layer of 2 KV heads of 4, K and V."""
+    segments = [{"index": i, "block_len": 2 * 16 * 8 * 4, "layer": f"model.layers.{i}.self_attn.attn",
+                 "layer_index": i, "offset_in_page": 0} for i in range(2)]
+    return {"model": MODEL, "model_path": str(model_dir), "tp_size": 1, "tp_rank": 0, "groups": [{
+        "group": 0, "kind": "attention", "block_size": 16, "segments": segments,
+        "attention": {"num_kv_heads": 2, "head_size": 4, "head_size_v": 4, "dtype": "float32"}}]}
+
+
+def _attention_values(tmp_path):
+    """Eight attention blocks under their hashes, and the consumer's prefix records of seven: healthy;
+    another block's tokens; other weights; a partial tail block of 5 tokens whose later rows are no
+    token's image (what its page held before); no record; healthy in a token-major page; a partial
+    tail block of 3 tokens in a token-major page; healthy."""
+    from tests.judge.test_binding import _attention_page
+    from tests.layouts.test_images import llama_checkpoint
+
+    ours, theirs = tmp_path / MODEL, tmp_path / "other" / MODEL
+    llama_checkpoint(ours, np.random.default_rng(0), kv_heads=2)
+    llama_checkpoint(theirs, np.random.default_rng(1), kv_heads=2)
+    mine, other = token_images(ours, MODEL, 1, 0), token_images(theirs, MODEL, 1, 0)
+    rng = np.random.default_rng(4)
+    blocks = [rng.integers(0, 32, 16) for _ in range(8)]
+    tail, short_tail = mine.images(blocks[3]), mine.images(blocks[6])
+    tail[5:] = 50 * rng.standard_normal(tail[5:].shape)
+    short_tail[3:] = 50 * rng.standard_normal(short_tail[3:].shape)
+    v_rows = [mine.images(blocks[0]), mine.images(blocks[1][::-1]), other.images(blocks[2]), tail,
+              mine.images(blocks[4]), mine.images(blocks[5]), short_tail, mine.images(blocks[7])]
+    pages = []
+    for value, rows in enumerate(v_rows):
+        order = "tokens" if value in (5, 6) else "cpu"
+        pages.append(_attention_page(rows, 2, rng, order).ravel().view(np.uint8).copy())
+        pages.append(rng.standard_normal(256).astype(np.float32).view(np.uint8).copy())  # layer 1
+    hashes = [f"{i:064x}" for i in range(len(v_rows))]
+    records = tmp_path / "records"
+    records.mkdir()
+    recorded = zip(hashes, (blocks[0], blocks[1], blocks[2], blocks[3][:5], None, blocks[5], blocks[6][:3],
+                            blocks[7]))
+    (records / "prefixes-host-1-0000.jsonl").write_text("".join(
+        prefix_line(h, None, None, list(t)) + "\n" for h, t in recorded if t is not None))
+    return ours, records, [vllm_key(MODEL, h) for h in hashes], pages
+
+
+def test_the_guard_binds_attention_blocks_by_their_own_tokens(tmp_path):
+    """Issue #40 §4 for attention: a loaded KV block whose layer-0 V rows are images of other tokens
+    than its block's own (the consumer's record of its hash) is refused as PREFIX_MISMATCH, one of
+    other weights as WEIGHTS_MISMATCH; the healthy blocks, the partial tail blocks (each judged on
+    its own tokens, in either byte order), the one without a record and the one in another byte
+    order are kept."""
+    ours, records, keys, pages = _attention_values(tmp_path)
+    addrs = [[pages[2 * v].ctypes.data, pages[2 * v + 1].ctypes.data] for v in range(len(keys))]
+    sizes = [[pages[2 * v].nbytes, pages[2 * v + 1].nbytes] for v in range(len(keys))]
+    guard = LoadGuard(DenyList(records, RecordWriter(records, stem="denied")), StateBinder(records))
+    guard.describe(_attention_document(ours), {})
+    guard.binder.building.join(60)
+    assert guard.binder.status == "bound" and guard.binder.layer0[0].kind == "v", guard.binder.status
+    assert guard.check(keys, addrs, sizes, [0] * len(keys)) == {1: "PREFIX_MISMATCH", 2: "WEIGHTS_MISMATCH"}
+
+
+def test_the_put_guard_withholds_attention_blocks_of_other_tokens(tmp_path):
+    """The producer's side: the same two blocks are withheld, the rest reach the put."""
+    from audit.recorder.records import RecordWriter as Writer
+    from audit.recorder.wrapper import WITHHELD_RESULT, recording_store_class
+    from tests.recorder.test_recorder import SpyStore
+
+    ours, records, keys, pages = _attention_values(tmp_path)
+    page = pages[0].nbytes
+    layers = [np.zeros((len(keys) + 1) * page, np.uint8) for _ in range(2)]  # block 0: the null block
+    for value in range(len(keys)):
+        for layer in range(2):
+            layers[layer][(value + 1) * page:(value + 2) * page] = pages[2 * value + layer]
+    store = recording_store_class(SpyStore, Writer(records), guard=True)()
+    for layer in layers:
+        store.register_buffer(layer.ctypes.data, layer.nbytes)
+    store.audit_describe(_attention_document(ours), {})
+    store.audit_put_binder.building.join(60)
+    addrs = [[layer.ctypes.data + (value + 1) * page for layer in layers] for value in range(len(keys))]
+    results = store.batch_put_from_multi_buffers(keys, addrs, [[page, page]] * len(keys))
+    assert results == [0, WITHHELD_RESULT, WITHHELD_RESULT, 0, 0, 0, 0, 0]
+    assert store.calls[0][0] == [keys[0], *keys[3:]]

@@ -161,9 +161,10 @@ def test_a_layout_refuses_a_zero_state_and_nan_but_not_zero_padding(stores, sett
     assert producer.publish(keys, [1, 2, 3]) == [0] * 3
     store_.close()
     store = stores(tmp_path / "rec", load_guard=True)
-    document = {"groups": [{"group": 1, "states": [{"name": n, "offset": o, "length": n_, "dtype": "float32"}
+    document = {"groups": [{"group": 1, "states": [{"name": n, "offset": o, "length": n_, "dtype": "float32",
+                                                     "shape": [n_ // 256, 64]}
                                                     for n, (o, n_) in zip(("conv", "ssm"), states)],
-                            "segments": [{"block_len": SEGMENT, "layer": f"layers.{i}", "offset_in_page": 0}
+                            "segments": [{"index": i, "block_len": SEGMENT, "layer": f"layers.{i}", "offset_in_page": 0}
                                          for i in range(2)]}]}
     store.audit_describe(document, {})
     consumer = KVConsumer(store, layers=2)

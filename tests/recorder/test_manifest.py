@@ -97,6 +97,23 @@ def test_a_segment_no_layer_of_the_group_owns_names_the_layer_it_belongs_to(fake
     assert attention_group["segments"][1]["shared_with"] == "model.layers.2.conv"
 
 
+@pytest.mark.parametrize("hidden_layers", [None, 2])
+def test_the_manifest_names_each_segments_decoder_layer(fake_vllm_installed, monkeypatch, hidden_layers):
+    """vLLM names Falcon-H1's decoder layer i's mixer ``model.{L + i}.mixer``: the manifest says
+    which decoder layer each is, by the ``num_hidden_layers`` of the config vLLM runs, or by the
+    names where that config is not at hand."""
+    if hidden_layers is not None:
+        config = types.ModuleType("vllm.config")
+        text_config = types.SimpleNamespace(num_hidden_layers=hidden_layers)
+        config.get_current_vllm_config_or_none = lambda: types.SimpleNamespace(
+            model_config=types.SimpleNamespace(hf_text_config=text_config))
+        monkeypatch.setitem(sys.modules, "vllm.config", config)
+    attention, mamba = describe_worker(*fake_vllm.hybrid_worker())["groups"]
+    assert [(s["layer"], s["layer_index"], s["decoder_layer"]) for s in mamba["segments"]] == [
+        ("model.2.mixer", 2, 0), ("model.3.mixer", 3, 1)]
+    assert [(s["layer_index"], s["decoder_layer"]) for s in attention["segments"]] == [(0, 0), (1, 1)]
+
+
 def test_layer_index_follows_vllms_rule():
     assert layer_index("model.layers.12.self_attn.attn") == 12
     assert layer_index("model.2.mixer") == 2

@@ -37,3 +37,45 @@ def test_the_window_is_the_conv_kernel_less_one_whatever_the_family_calls_it():
     assert conv_window(SimpleNamespace(linear_conv_kernel_dim=4)) == 3          # Qwen3-Next / 3.5
     assert conv_window(SimpleNamespace(conv_L_cache=3)) == 2                    # LFM2
     assert conv_window(SimpleNamespace(num_attention_heads=8)) is None          # attention alone
+
+
+def test_a_kv_block_names_its_own_tokens_up_to_each_boundary(tmp_path):
+    """Where layer 0 is attention, a hash names its KV block's tokens from the block's start to the
+    boundary: the whole block at a block end, the filled part at a boundary inside it (a partial
+    tail block, keyed there); a model with both windows records both on one line."""
+    recorder = PrefixRecorder(RecordWriter(tmp_path, stem="prefixes"), window=None, hash_block_size=4,
+                              kv_block_size=8)
+    tokens = list(range(100, 116))  # boundaries 4, 8, 12, 16: blocks [100..107], [108..115]
+    recorder.record("a", [_hash(i) for i in range(1, 5)], tokens)
+    both = PrefixRecorder(RecordWriter(tmp_path / "both", stem="prefixes"), window=3, hash_block_size=4,
+                          kv_block_size=4)
+    both.record("b", [_hash(9)], tokens[:4])
+    records = read_prefix_records([tmp_path])
+    assert records.records == 5 and not records.conflicts and not records.skipped
+    assert [records.get(_hash(i).hex(), "v") for i in range(1, 5)] == [
+        PrefixDigest(4, prefix_digest(tokens[0:4])), PrefixDigest(8, prefix_digest(tokens[0:8])),
+        PrefixDigest(4, prefix_digest(tokens[8:12])), PrefixDigest(8, prefix_digest(tokens[8:16]))]
+    assert records.get(_hash(1).hex()) is None  # no conv window recorded
+    assert records.get(_hash(9).hex()) == PrefixDigest(3, prefix_digest(tokens[1:4]))
+    assert records.get(_hash(9).hex(), "v") == PrefixDigest(4, prefix_digest(tokens[0:4]))
+
+
+def test_records_are_versioned_and_a_version_1_line_still_reads(tmp_path):
+    """Version 1 (a conv window, no "v") reads as before; a version-2 line with both windows keeps
+    its conv fields where a version-1 reader looks; a version this audit does not know, or a line
+    naming no window, is passed over as malformed, never read as something else."""
+    import json
+
+    from audit.prefixrecords import parse_prefix_record, prefix_line
+
+    assert prefix_line("ab", 3, [1, 2, 3]) == f'{{"hash":"ab","window":3,"digest":"{prefix_digest([1, 2, 3])}"}}'
+    two = json.loads(prefix_line("cd", 3, [1, 2, 3], [0, 1, 2, 3]))
+    assert two["v"] == 2 and (two["window"], two["digest"]) == (3, prefix_digest([1, 2, 3]))
+    assert parse_prefix_record(two) == ("cd", PrefixDigest(3, prefix_digest([1, 2, 3])),
+                                        PrefixDigest(4, prefix_digest([0, 1, 2, 3])))
+    (tmp_path / "prefixes-h-1-0000.jsonl").write_text("\n".join([
+        prefix_line("ab", 3, [1, 2, 3]), prefix_line("ef", None, None, [5, 6]),
+        '{"v":3,"hash":"99","window":3,"digest":"x"}', '{"v":2,"hash":"98"}']) + "\n")
+    records = read_prefix_records([tmp_path])
+    assert records.get("ab") == PrefixDigest(3, prefix_digest([1, 2, 3])) and records.get("ab", "v") is None
+    assert records.get("ef", "v") == PrefixDigest(2, prefix_digest([5, 6])) and records.skipped == 2
