@@ -8,6 +8,7 @@ garbage. The rows are decoded in `audit.checks.binding`; this module finds them 
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from audit.checks.binding import ROW_TOLERANCE, nearest_tokens
-from audit.checks.floats import decode_floats
+from audit.checks.floats import FLOAT_DTYPES, decode_floats
 from audit.judge.fingerprints import ProducerWeights
 from audit.judge.prefixes import check_prefix
 from audit.layouts import LayoutError
@@ -88,6 +89,12 @@ class Bindings:
         return {"bound": sorted(bound), "not_bound": not_bound, "row_tolerance": ROW_TOLERANCE,
                 "keys_decoded": {model: self.decoded[model] for model in sorted(bound)}, **extra}
 
+    def __getstate__(self) -> dict:  # (--ray: a task's plan is pickled; a lock cannot be)
+        return {name: value for name, value in self.__dict__.items() if name != "_counting"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _counting=threading.Lock())
+
     def count(self, decoded: Counter, prefix_checked: int) -> None:
         """Add a batch's keys decoded (per model) and compared with their prefix records."""
         with self._counting:
@@ -126,19 +133,27 @@ def bind_values(records: list[KeyRecord], values: list, readings: list, bindings
     under its model's weights, under any of its readings (``readings[i]``: the layouts it may be read
     with, the one it is judged by first): a size that fits bfloat16 and float16 alike is bound under
     the reading that decodes to tokens, and flagged only when none does. The batch's rows are
-    decoded at once, per (model, TP size, rank): every value's first reading, then the next reading
-    of the values none has bound yet (a wrong reading's rows go the long way, a search of the whole
-    vocabulary, so a healthy value is never read twice)."""
-    pending: list[tuple[int, tuple, Iterator]] = []  # record index, its reading to decode next, the later ones
-    for i, (record, value, layouts) in enumerate(zip(records, values, readings)):
-        if value is None or not layouts or _ALREADY_FLAGGED.intersection(record.verdicts):
-            continue
-        later = _readings(record, value, layouts, bindings)
-        first = next(later, None)
-        if first is not None:
-            pending.append((i, first, later))
+    decoded at once, per (model, TP size, rank): every value's first reading (conv states of one
+    layout stacked and decoded as one array: binding's cost a key stays a few microseconds), then the
+    next reading of the values none has bound yet (a wrong reading's rows go the long way, a search of
+    the whole vocabulary, so a healthy value is never read twice)."""
+    judged = [i for i, (record, value, layouts) in enumerate(zip(records, values, readings))
+              if value is not None and layouts and not _ALREADY_FLAGGED.intersection(record.verdicts)]
     tried: dict[int, list] = {}  # record index -> (images, tokens, distances), one per reading decoded
-    checked = 0
+    first_bound = set()  # record indices whose stacked first reading binds
+    stacked, one_by_one = _stacked_conv_rows(judged, records, values, readings, bindings)
+    later_of = {i: _readings(records[i], values[i], readings[i], bindings) for i in one_by_one}
+    for images, members, rows in stacked:
+        tokens, distances = nearest_tokens(rows.reshape(-1, images.columns), images)
+        tokens, distances = tokens.reshape(len(members), -1), distances.reshape(len(members), -1)
+        for i, its_tokens, its_distances, binds in zip(members, tokens, distances,
+                                                       (distances <= ROW_TOLERANCE).all(axis=1).tolist()):
+            tried[i] = [(images, its_tokens, its_distances)]
+            if binds:
+                first_bound.add(i)
+            else:  # the first reading, already decoded, does not bind: the later ones are made one at a time
+                later_of[i] = itertools.islice(_readings(records[i], values[i], readings[i], bindings), 1, None)
+    pending = [(i, reading, later) for i, later in later_of.items() if (reading := next(later, None)) is not None]
     while pending:
         groups: dict[int, list] = {}
         for i, (images, rows), _ in pending:
@@ -152,8 +167,10 @@ def bind_values(records: list[KeyRecord], values: list, readings: list, bindings
                 start = end
         unbound = [(i, later) for i, _, later in pending if not (tried[i][-1][2] <= ROW_TOLERANCE).all()]
         pending = [(i, reading, later) for i, later in unbound if (reading := next(later, None)) is not None]
+    checked = 0
     for i, outcomes in tried.items():
-        bound = [(images, tokens) for images, tokens, distances in outcomes if (distances <= ROW_TOLERANCE).all()]
+        bound = [outcomes[0][:2]] if i in first_bound else [
+            (images, tokens) for images, tokens, distances in outcomes if (distances <= ROW_TOLERANCE).all()]
         if not bound:
             images, tokens, distances = outcomes[0]
             _flag(records[i], tokens, distances, images)
@@ -161,6 +178,51 @@ def bind_values(records: list[KeyRecord], values: list, readings: list, bindings
             images, tokens = bound[0]
             checked += check_prefix(records[i], tokens, images, bindings.prefixes) is not None
     bindings.count(Counter(outcomes[0][0].model for outcomes in tried.values()), checked)
+
+
+def _stacked_conv_rows(judged: list[int], records, values, readings, bindings: Bindings) -> tuple[list, list]:
+    """The first readings that are conv states in host memory, stacked per (images, region): a list
+    of (images, record indices, rows (keys, rows, columns)); and the record indices left to read one
+    at a time (attention pages, whose rows depend on each key's record; GPU tensors; a width that
+    does not fit the images, which `_readings` reports)."""
+    firsts: dict[tuple, tuple] = {}  # (the key's readings, its size, its rank) -> (images, region) or None
+    groups: dict[tuple, list] = {}
+    one_by_one = []
+    for i in judged:
+        record, layouts = records[i], readings[i]
+        rank = record.parsed_fields().get("tp_rank", 0) if any(layout.tp_size > 1 for layout in layouts) else 0
+        ident = (*map(id, layouts), record.size, rank)
+        if ident not in firsts:
+            firsts[ident] = _first_conv_reading(record.size, rank, layouts, bindings)
+        first = firsts[ident]
+        if first is None or not isinstance(values[i], np.ndarray):
+            one_by_one.append(i)
+        else:
+            groups.setdefault((id(first[0]), id(first[1])), [*first, []])[2].append(i)
+    stacked = []
+    for images, region, members in groups.values():
+        data = np.stack([values[i][region.offset:region.offset + region.length] for i in members])
+        numbers = decode_floats(data.reshape(-1), region.dtype)
+        if numbers is None:
+            continue
+        rows = numbers.reshape(len(members), *region.shape).astype(np.float32)
+        stacked.append((images, members, rows if region.shape[0] <= region.shape[1] else rows.transpose(0, 2, 1)))
+    return stacked, one_by_one
+
+
+def _first_conv_reading(size: int, rank: int, layouts, bindings: Bindings) -> tuple | None:
+    """(images, region) of the first reading `_readings` would decode, where it is a conv state whose
+    rows fit the images; None otherwise."""
+    for layout in layouts:
+        if layout.size != size or layer0_region(layout) is None:
+            continue
+        images = bindings.images(layout.model, layout.tp_size, rank if layout.tp_size > 1 else 0)
+        region = None if images is None else layer0_region(layout, images.region)
+        if region is None:
+            continue
+        usable = images.region == "conv" and len(region.shape) == 2 and region.dtype in FLOAT_DTYPES
+        return (images, region) if usable and max(region.shape) == images.columns else None
+    return None
 
 
 def _readings(record: KeyRecord, value, layouts, bindings: Bindings) -> Iterator[tuple]:
