@@ -53,6 +53,9 @@ GRANITE_CUTS = (256, 512, 768, 1024, 384, 640, 896, 1024)
 CASES = [Case("mamba2-tiny", 1, 8, 149, MAMBA2_CUTS), Case("mamba2-tiny", 2, 8, 149, MAMBA2_CUTS),
          Case("granite-4h-tiny", 1, 8, 1100, GRANITE_CUTS), Case("granite-4h-tiny", 2, 8, 1100, GRANITE_CUTS)]
 HEALTHY = [case for case in CASES if case.tp == 1]
+# An unguarded consumer at TP 2 once, on the hybrid (its records name requests from both ranks'
+# loads); the pure Mamba2's TP 2 store is still read by a guarded consumer. CI time: a TP 2 engine.
+UNGUARDED = [case for case in CASES if case.name != "mamba2-tiny-tp2"]
 
 
 def producer_prompts(case: Case) -> list[list[int]]:
@@ -145,7 +148,7 @@ def impact(report: Path, *record_dirs: Path) -> tuple[int, dict | None, str]:
     return process.returncode, json.loads(process.stdout) if process.stdout.strip() else None, process.stderr
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", UNGUARDED, ids=lambda c: c.name)
 def test_unguarded_consumers_of_a_buggy_store_diverge_and_impact_names_them(session, models_dir, case, tmp_path):
     cold = baseline(session, models_dir, case)["run"]
     buggy = producer(session, models_dir, case)
