@@ -17,7 +17,8 @@ WatchOffloadDir = Annotated[Optional[list[Path]], typer.Option(
     "--offload-dir", envvar="MOONCAKE_AUDIT_OFFLOAD_DIR", metavar="DIR",
     help="A holder's SSD offload directory on this host (its MOONCAKE_OFFLOAD_FILE_STORAGE_PATH): with --read-mode "
          "peek, disk-only keys are read from its files (bucket or file-per-key backend), with no lease and no "
-         "promotion. Repeatable.")]
+         "promotion; a key in memory and on disk has its disk copy compared with memory when it is read or its "
+         "copies change (REPLICA_DIVERGENT). Repeatable.")]
 
 
 @takes(connection_options, key_options, read_options, model_options, block_table_options)

@@ -26,9 +26,10 @@ import xxhash
 from audit.connection import AdminClient
 from audit.errors import ERROR_NAMES, MOVED, NOT_PEEKABLE
 from audit.readers.buckets import StoredValue, stored_key
-from audit.readers.buffers import ALIGNMENT, FetchedBatch, HostBuffer, Slot, plan_batches
+from audit.readers.buffers import ALIGNMENT, MAX_KEYS_PER_BATCH, FetchedBatch, HostBuffer, Slot, plan_batches
 from audit.readers.confirm import Confirmation, KeyRead, confirmation_of
 from audit.readers.descriptors import Replica, query_answers, replicas_of
+from audit.readers.mapped import PAGE, MappedWindow, window_bytes
 from audit.readers.offload_index import index_directories
 from audit.readers.replicas import judge_disk_copy
 from audit.records import KeyInfo, KeyRecord, Verdict
@@ -41,6 +42,17 @@ DEFAULT_TENANT = "default"  # a bucket stores `tenant \0 key`; the admin API ans
 def _disk_endpoint(key: KeyInfo) -> str | None:
     """The holder's offload RPC endpoint, as the listing described the key's disk replica."""
     return next((replica.get("endpoint") for replica in key.replicas if replica.get("tier") == "local_disk"), None)
+
+
+def in_both_tiers(key: KeyInfo) -> bool:
+    """Whether the listing shows `key` with a memory replica and a disk copy on a holder's SSD."""
+    return {replica.get("tier") for replica in key.replicas} >= {"memory", "local_disk"}
+
+
+def on_disk_only(key: KeyInfo) -> bool:
+    """Whether the listing shows `key` on a holder's SSD only, under a name the master can be asked of."""
+    tiers = {replica.get("tier", "memory") for replica in key.replicas}
+    return tiers == {"local_disk"} and "," not in key.name
 
 
 def _disk_sizes(answer: dict | None) -> set[int] | None:
@@ -60,12 +72,9 @@ class DiskReader:
         self.admin = admin
         self.directories = list(directories)
         self.index = index_directories(self.directories)
-        half = max(buffer_bytes // 2, ALIGNMENT)
-        self.buffers = [HostBuffer(half), HostBuffer(half)]
-
-    @property
-    def capacity(self) -> int:
-        return self.buffers[0].nbytes
+        self.capacity = max(buffer_bytes // 2, ALIGNMENT)
+        standing = window_bytes([self.capacity]) + MAX_KEYS_PER_BATCH * 2 * PAGE
+        self.windows = [MappedWindow(standing), MappedWindow(standing)]  # address space only: no page touched
 
     def holds(self, key: KeyInfo) -> bool:
         """Whether `key` is disk-only and one of the directories stores it: this reader's to read."""
@@ -88,14 +97,49 @@ class DiskReader:
         return sorted(keys, key=place)
 
     def fetch(self, slots: list[Slot], turn: int) -> FetchedBatch:
-        needed = slots[-1].offset + (slots[-1].key.size or 0)
-        if needed > self.capacity:  # a single value larger than a buffer half
-            buffer, one_off = HostBuffer(needed), True
+        """The batch's values mapped from their files (`audit.readers.mapped`), each slot's offset
+        moved to where its value lies in the window; the replica rows take the checks' digest."""
+        needed = window_bytes([slot.key.size or 0 for slot in slots])
+        if needed > self.windows[0].nbytes:  # larger than a standing window: one of its own
+            window, one_off = MappedWindow(needed), True
         else:
-            buffer, one_off = self.buffers[turn % 2], False
-        reads = self._read(slots, buffer)
-        return FetchedBatch(slots, [read.code for read in reads], buffer, one_off,
+            window, one_off = self.windows[turn % 2], False
+        window.clear()
+        files: dict[Path, tuple[int, int]] = {}
+        try:
+            attempts = [self._map_one(slot, window, files) for slot in slots]
+        finally:
+            for descriptor, _ in files.values():
+                os.close(descriptor)
+        for slot, (_, _, at) in zip(slots, attempts):
+            slot.offset = at  # the caller's slots, moved: whoever holds them views the batch right
+        reads = self._settled(slots, [(value, code, None) for value, code, _ in attempts])
+        return FetchedBatch(slots, [read.code for read in reads], window, one_off,
                             replicas=[read.rows for read in reads])
+
+    def _map_one(self, slot: Slot, window: MappedWindow,
+                 files: dict[Path, tuple[int, int]]) -> tuple[StoredValue | None, int, int]:
+        """The stored value mapped into the window: where it was, 0 or a negative code, where it
+        lies in the window (0 when not read)."""
+        value = self._stored(slot.key)
+        if value is None or "," in slot.key.name:  # no file here holds it, or the master cannot be asked of it
+            return None, NOT_PEEKABLE, 0
+        if value.size != slot.key.size:
+            return value, MOVED, 0  # the file holds another value once stored under that name
+        try:
+            if value.path not in files:
+                descriptor = os.open(value.path, os.O_RDONLY)
+                files[value.path] = descriptor, os.fstat(descriptor).st_size
+            descriptor, file_size = files[value.path]
+            if value.value_offset + value.size > file_size:  # shorter than indexed: never mapped past its end
+                return value, TRANSFER_FAIL, 0
+            if os.pread(descriptor, len(value.head), value.offset) != value.head:
+                return value, TRANSFER_FAIL, 0
+            return value, 0, window.place(descriptor, value.value_offset, value.size)
+        except FileNotFoundError:
+            return value, MOVED, 0  # the file left the disk (evicted) since it was indexed
+        except OSError:
+            return value, TRANSFER_FAIL, 0
 
     def confirm(self, records: Sequence[KeyRecord]) -> dict[str, Confirmation]:
         """Index the directories afresh, read the keys of `records` again, and say per key whether
@@ -117,6 +161,10 @@ class DiskReader:
         finally:
             for descriptor in files.values():
                 os.close(descriptor)
+        return self._settled(slots, attempts)
+
+    def _settled(self, slots: list[Slot], attempts: list[tuple[StoredValue | None, int, int | None]]) -> list[KeyRead]:
+        """Each attempt judged against the master's answer now (asked once for the batch)."""
         after = query_answers(self.admin, (slot.key.name for slot in slots))
         return [self._settle(slot, *attempt, after.get(slot.key.name)) for slot, attempt in zip(slots, attempts)]
 
@@ -157,11 +205,14 @@ class DiskReader:
             row.update(status="moved" if code == MOVED else "failed",
                        error={"code": code, "name": ERROR_NAMES.get(code, "UNKNOWN")})
             return KeyRead(code, [row])
-        row["xxh3"] = f"{digest:016x}"
+        if digest is not None:  # a mapped value's row is given the checks' digest (`judge_replicas`)
+            row["xxh3"] = f"{digest:016x}"
         return KeyRead(value.size, [row], digest)
 
     def close(self) -> None:
-        """Nothing is held between batches: files are opened per batch, buffers are plain memory."""
+        """The windows let their files go; files are opened per batch."""
+        for window in self.windows:
+            window.clear()
 
 
 UNLISTED_NAMED = 100  # unlisted values named one by one in a report; the rest are counted
@@ -188,14 +239,14 @@ class DiskCopies:
         """Read `key`'s disk copy and judge it against `record` (the key as read from memory)."""
         if record.xxh3 is None:
             return
-        value = self._stored(key.name)
+        value = self.stored(key.name)
         if value is None:
             self.elsewhere += 1  # its holder's directory is not among ours (another host)
             return
         row = self._read(value)
         if row["status"] == "ok" and row["xxh3"] != f"{record.xxh3:016x}":
             self.index = index_directories(self.directories)
-            value = self._stored(key.name)
+            value = self.stored(key.name)
             row = self._read(value) if value is not None else None
             if row is None or not self._still_listed(key, row):
                 return
@@ -204,7 +255,8 @@ class DiskCopies:
         self.compared += row["status"] == "ok"
         self.divergent += not before and Verdict.REPLICA_DIVERGENT in record.verdicts
 
-    def _stored(self, name: str) -> StoredValue | None:
+    def stored(self, name: str) -> StoredValue | None:
+        """Where the directories, as last indexed, hold the default-tenant key `name`'s value."""
         return self.index.get(stored_key(DEFAULT_TENANT, name))
 
     def _read(self, value: StoredValue) -> dict:

@@ -4,8 +4,11 @@ KVEntry files (`audit.readers.key_files`), by stored key (`tenant \\0 key`)."""
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 from audit.errors import AuditError
 from audit.readers.buckets import StoredValue, bucket_values
@@ -29,23 +32,87 @@ def _bucket_values(meta: Path) -> list[StoredValue]:
         raise AuditError(f"cannot read offload metadata {meta}: {error}") from None
 
 
+SETTLED_NS = 2_000_000_000  # a file unchanged this long before it was parsed is taken as written
+
+
+class _Parsed(NamedTuple):
+    stamp: tuple[int, int, int]  # inode, size, mtime
+    settled: bool  # older than SETTLED_NS when parsed: known again by its inode alone, no stat
+    values: list[StoredValue]
+
+
+class _Listing(NamedTuple):
+    stamp: tuple[int, int]  # the directory's inode and mtime, taken before it was listed
+    settled: bool  # the directory and every `.meta` in it older than SETTLED_NS: listed again only once changed
+    files: dict[str, _Parsed]
+    found: list[tuple[int, str, list[StoredValue]]]
+
+
+_listed: dict[Path, _Listing] = {}
+"""Per directory, each `.meta` parsed, by name: Mooncake writes a bucket once and a purge replaces
+its `.meta` whole (a new inode), so indexing a directory again (every batch's findings are
+confirmed from a fresh index) parses only the files that are new, and lists a directory whose
+mtime says no name in it changed not at all. A file or directory still recent when looked at
+(it may still be being written) is looked at again, by its size and mtime."""
+
+
+def _bucket_index(directory: Path) -> list[tuple[int, str, list[StoredValue]]]:
+    """(mtime, name, values) of every `.meta` in `directory` with its `.bucket` beside it."""
+    listed_at = time.time_ns()
+    status = os.stat(directory)
+    stamp = (status.st_ino, status.st_mtime_ns)
+    before = _listed.get(directory)
+    if before is not None and before.settled and before.stamp == stamp:
+        return before.found
+    known = before.files if before is not None else {}
+    with os.scandir(directory) as listing:
+        entries = {entry.name: entry for entry in listing}
+    parsed: dict[str, _Parsed] = {}
+    found = []
+    for name, entry in entries.items():
+        if not name.endswith(".meta") or name.startswith(".") or name[:-len(".meta")] + ".bucket" not in entries:
+            continue
+        file = known.get(name)
+        if file is None or not file.settled or file.stamp[0] != entry.inode():
+            now = time.time_ns()
+            try:
+                status = entry.stat()
+            except FileNotFoundError:  # evicted from the disk meanwhile
+                continue
+            file_stamp = (status.st_ino, status.st_size, status.st_mtime_ns)
+            values = file.values if file is not None and file.stamp == file_stamp else _bucket_values(directory / name)
+            file = _Parsed(file_stamp, now - status.st_mtime_ns > SETTLED_NS, values)
+        parsed[name] = file
+        found.append((file.stamp[2], name, file.values))
+    settled = listed_at - stamp[1] > SETTLED_NS and all(file.settled for file in parsed.values())
+    _listed[directory] = _Listing(stamp, settled, parsed, found)  # the files gone from the disk are forgotten
+    return found
+
+
+_merged: dict[tuple[Path, ...], tuple[list, dict[bytes, StoredValue]]] = {}
+"""The last index of each set of directories, with the listings it was made of: when every
+listing is the one reused unchanged (`_bucket_index`), so is the index."""
+
+
 def index_directories(directories: Iterable[Path]) -> dict[bytes, StoredValue]:
     """Every complete bucket's values and every key file in `directories`, by stored key
     (`stored_key`). A key that several buckets hold (removed or evicted, then put again) maps to
     the newest bucket's."""
-    metas = []
+    found = _offload_directories(directories)
+    listings = [_bucket_index(directory) for directory in found]
     index: dict[bytes, StoredValue] = {}
-    for directory in _offload_directories(directories):
-        for meta in directory.glob("*.meta"):
-            try:
-                if meta.with_suffix(".bucket").exists():
-                    metas.append((meta.stat().st_mtime_ns, meta))
-            except FileNotFoundError:  # evicted from the disk meanwhile
-                continue
+    for directory in found:
         index.update((value.stored_key, value) for value in key_files(directory))
-    for _, meta in sorted(metas):
-        index.update((value.stored_key, value) for value in _bucket_values(meta))
-    return index
+    last = _merged.get(tuple(found))
+    if last is not None and not index and all(now is before for now, before in zip(listings, last[0])):
+        return dict(last[1])
+    rank = {directory: place for place, directory in enumerate(sorted(set(found)))}  # as their paths sort
+    buckets = [(mtime, rank[directory], name, values)
+               for directory, listing in zip(found, listings) for mtime, name, values in listing]
+    for *_, values in sorted(buckets, key=lambda bucket: bucket[:3]):
+        index.update((value.stored_key, value) for value in values)
+    _merged[tuple(found)] = listings, index
+    return dict(index)
 
 
 def copies_holding(directories: Iterable[Path], stored_keys: set[bytes]) -> dict[Path, list[StoredValue]]:

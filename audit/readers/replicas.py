@@ -11,9 +11,15 @@ from audit.records import KeyRecord, Verdict
 
 def judge_replicas(record: KeyRecord, rows: list[dict]) -> None:
     """Add the per-replica rows as evidence; REPLICA_DIVERGENT when two read digests differ and the
-    key itself was read (a key MOVED or VANISHED as a whole is not compared)."""
+    key itself was read (a key MOVED or VANISHED as a whole is not compared). A row read fine
+    without a digest of its own holds the very bytes the checks read (the disk reader maps them):
+    it takes the record's digest, so those bytes are digested once."""
     if not rows:
         return
+    if record.xxh3 is not None:
+        for row in rows:
+            if row["status"] == "ok" and row["xxh3"] is None:
+                row["xxh3"] = f"{record.xxh3:016x}"
     record.evidence["replicas"] = rows
     if len(rows) == 1:  # nearly every key: nothing to compare
         return

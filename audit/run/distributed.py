@@ -28,13 +28,15 @@ from audit.connection import AdminClient, Settings, open_store
 from audit.errors import TASK_LOST, AuditError
 from audit.judge.plan import CheckPlan
 from audit.readers.buffers import ALIGNMENT
+from audit.readers.disk import DiskReader, on_disk_only
+from audit.readers.lease import LeaseReader
 from audit.readers.throttle import ThrottledReader
 from audit.judge.ledger import RecordLedger
 from audit.records import KeyInfo, KeyRecord, Verdict
 from audit.run.checkpoint import Checkpoint
 from audit.run.collector import tune_for_scanning
 from audit.run.options import ScanOptions
-from audit.run.reading import after_batch_hook, confirm_shared, make_reader
+from audit.run.reading import after_batch_hook, buffer_bytes, confirm_shared, make_reader
 from audit.run.scan import scan_keys
 from audit.run.shards import Shard, plan_shards
 from audit.run.stops import Deadline, MasterWatch
@@ -86,23 +88,41 @@ def scan_shard(scan: str, settings: Settings, options: ScanOptions, plan: CheckP
         return
     stop = threading.Event()
     admin = AdminClient(settings.admin)
-    reader = base_reader = make_reader(settings, admin, _store(settings, scan), keys, options)
-    if options.max_bandwidth:
-        reader = ThrottledReader(reader, options.max_bandwidth, stop)
     watch = MasterWatch(admin, stop)
     deadline = Deadline(remaining, stop)
     try:
         chunk: list[KeyRecord] = []
-        for record in scan_keys(keys, reader, options.placement.checker(), plan, stop=stop,
-                                on_batch=after_batch_hook(getattr(base_reader, "confirm", None), None, watch)):
-            chunk.append(record)
-            if len(chunk) == CHUNK_KEYS:
-                yield Chunk(chunk, node, worker)
-                chunk = []
+        for group, base_reader in _shard_readers(settings, admin, scan, keys, options):
+            reader = ThrottledReader(base_reader, options.max_bandwidth, stop) if options.max_bandwidth else base_reader
+            try:
+                for record in scan_keys(group, reader, options.placement.checker(), plan, stop=stop,
+                                        on_batch=after_batch_hook(getattr(base_reader, "confirm", None), None, watch)):
+                    chunk.append(record)
+                    if len(chunk) == CHUNK_KEYS:
+                        yield Chunk(chunk, node, worker)
+                        chunk = []
+            finally:
+                reader.close()
         yield Chunk(chunk, node, worker, watch.lost or ("deadline" if deadline.reached else None))
     finally:
         deadline.cancel()
-        reader.close()
+
+
+def _shard_readers(settings: Settings, admin: AdminClient, scan: str, keys: list[KeyInfo], options: ScanOptions):
+    """The shard's keys in groups, each with its reader, made when its turn comes: in peek mode the
+    disk-only keys this host's offload directories hold (`--offload-dir`) from their files, lease-free;
+    those no directory here holds through the store client, with a lease, as the driver would read
+    them; the rest as the read mode says."""
+    if options.read_mode == "peek" and options.offload_dirs and any(map(on_disk_only, keys)):
+        on_disk, keys = [key for key in keys if on_disk_only(key)], [key for key in keys if not on_disk_only(key)]
+        disk = DiskReader(admin, options.offload_dirs, buffer_bytes(on_disk, options))
+        held, elsewhere = disk.split(on_disk)
+        yield held, disk
+        if elsewhere:
+            yield elsewhere, LeaseReader(_store(settings, scan), buffer_bytes(elsewhere, options),
+                                         options.placement.buffer_type)
+    if keys:
+        yield keys, make_reader(settings, admin, _store(settings, scan), keys, options)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from audit.judge.ledger import RecordLedger
 from audit.judge.merge import merge_records
 from audit.judge.plan import CheckPlan
 from audit.judge.purged import PurgedKeys
-from audit.readers.disk import DiskCopies
+from audit.readers.disk import DiskCopies, in_both_tiers
 from audit.run.progress import ScanProgress
 from audit.records import KeyRecord, Report, Verdict
 from audit.run.checkpoint import Checkpoint
@@ -85,8 +85,7 @@ def _memory_and_disk(keys: KeyTable) -> dict:
     """The keys with a memory replica and a disk copy on a holder's SSD (`local_disk`), by name:
     read from memory, their disk copies are compared with what was read."""
     _, unusual = keys.unusual()
-    return {key.name: key for key in unusual
-            if {replica.get("tier") for replica in key.replicas} >= {"memory", "local_disk"}}
+    return {key.name: key for key in unusual if in_both_tiers(key)}
 
 
 def _resume(keys: KeyTable, done: dict[str, KeyRecord], records: RecordLedger) -> KeyTable:
@@ -318,7 +317,7 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
         keys_selected += len(other.keys) + len(other.records)
         disk_copies = DiskCopies(admin, options.offload_dirs) if options.offload_dirs else None
         in_both_tiers = _memory_and_disk(keys) if disk_copies is not None else {}
-        keys, lease_only = split_lease_only(keys, options)
+        keys, lease_only = split_lease_only(keys, options, on_ray=ray_scan is not None)
         other.groups.insert(0, (None, lease_only))
         progress.start(len(keys) + len(other.keys), keys.total_size() + sum(key.size or 0 for key in other.keys))
         phases.add("planning (selection, coverage tiers, checkpoint)", time.perf_counter() - planning_rest)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from audit.connection import AdminClient, Settings, open_store
 from audit.errors import AuditError
 from audit.judge.plan import CheckPlan
-from audit.readers.disk import DiskReader
+from audit.readers.disk import DiskReader, on_disk_only
 from audit.readers.lease import LeaseReader
 from audit.readers.throttle import ThrottledReader
 from audit.records import KeyInfo, KeyRecord
@@ -89,11 +89,14 @@ def find_other_tenants_keys(census: Census, options: ScanOptions, plan: CheckPla
                      records=unplaced + [record for tenant in found for record in tenant.records])
 
 
-def split_lease_only(keys: KeyTable, options: ScanOptions) -> tuple[KeyTable, list[KeyInfo]]:
+def split_lease_only(keys: KeyTable, options: ScanOptions, on_ray: bool = False) -> tuple[KeyTable, list[KeyInfo]]:
     """Peek reads address a key by its memory replica's descriptor: the keys without one go to the
-    store client (lease reads need no split)."""
+    store client (lease reads need no split). With `--ray` and `--offload-dir`, a disk-only key
+    stays: the Ray task placed on its holder's host reads it from the offload directory there."""
     if options.read_mode != "peek":
         return keys, []
+    if on_ray and options.offload_dirs:
+        return keys.split(lambda key: admin_readable(key) or on_disk_only(key))
     return keys.split(admin_readable)  # a key with one memory replica in the table is admin-readable
 
 

@@ -8,7 +8,8 @@ with backoff; SIGTERM or SIGINT ends the round in flight between batches and flu
 Between rounds, with block tables, the recorder's files are tailed in short slices, and the keys new
 records name are read and judged at once in a record round, without a listing (docs/watch.md).
 On a tiered store, peek reads with offload directories (`--offload-dir`) read disk-only keys from
-the holder's files, lease-free; with purge logs (`--purged`), a purged key listed again with its
+the holder's files, lease-free, and a key held in both tiers has its disk copy compared with its
+memory copy when it is read or its copies change (`audit.run.watch_copies`); with purge logs (`--purged`), a purged key listed again with its
 purged bytes is flagged PURGED_RETURNED.
 """
 
@@ -42,6 +43,7 @@ from audit.run.orchestrator import enable_writer_checksum
 from audit.run.reading import after_batch_hook, buffer_bytes, confirm_shared, make_reader, read_samples
 from audit.run.scan import scan_keys
 from audit.run.stops import MasterWatch, StopOnSignals
+from audit.run.watch_copies import DiskCopyWatch
 from audit.run.watch_state import FINDINGS_FILE, WatchState
 from audit.sources.keytable import KeyTable
 from audit.sources.listing import AdminListing, KnownKeys, Listing
@@ -144,6 +146,7 @@ class Watcher:
         self.metrics = WatchMetrics()
         self.feed = _RecordFeed(options)
         self.purged = PurgedKeys(self.scan.purge_logs) if self.scan.purge_logs else None
+        self.disk_copies = DiskCopyWatch(self.admin, self.scan.offload_dirs) if self.scan.offload_dirs else None
         self._store = None
         self._fitted_sizes: set[int | None] = set()
         self._reader = None
@@ -278,6 +281,8 @@ class Watcher:
         table, listed = listing.keys, listing.rows_by_name  # name -> row: no KeyInfo per listed key
         state.add_new({name: table.size(row) for name, row in listed.items() if name not in known}, now)
         state.forget(known - listed.keys())
+        if self.disk_copies is not None:
+            state.unverify(self.disk_copies.changed(table.unusual()[1], state))  # read again: copies changed
         named = self.feed.poll(self.scan.plan)
         state.unverify(named)  # a key named by a new record: judged again now
         self._pending = {name: until for name, until in self._pending.items() if name not in listed}
@@ -428,11 +433,14 @@ class Watcher:
         watch = MasterWatch(admin, stop)
         started = time.perf_counter()
         records, read_at = [], {}
+        by_name = {key.name: key for key in keys}
         disk, on_disk, keys = self._disk_reading(admin, keys)
         if on_disk:
             self._scan(on_disk, disk, stop, watch, records, read_at)
         if keys and not stop.is_set():
             self._scan(keys, self._reader_for(admin, keys), stop, watch, records, read_at)
+        if self.disk_copies is not None:
+            self.disk_copies.compare(records, by_name)
         earlier = state.same_content(records)
         if hasattr(self._reader, "confirm") and not watch.lost:  # a peek reader's second read (disk-only: leased)
             confirm_shared(records + earlier, self._reader)

@@ -245,6 +245,33 @@ def test_the_disk_reader_finds_each_value_inside_a_bucket_of_several(tmp_path):
     assert len(offsets) == 2 * BUCKET_KEYS and offsets[-1] > VALUE_BYTES  # values past a bucket's first
 
 
+def test_a_bucket_cut_short_is_a_failed_read_never_a_mapping_past_its_end(tmp_path):
+    """The disk reader maps values in place: a value that its file no longer holds whole must fail
+    its read (UNREACHABLE, as a short read did) and leave the other values' verdicts alone."""
+    with LocalCluster(holders=1, segment_mb=SEGMENT_MB, offload=True, bucket_keys=BUCKET_KEYS,
+                      log_dir=tmp_path) as cluster:
+        values = {f"cut/{index}": os.urandom(VALUE_BYTES) for index in range(BUCKET_KEYS)}
+        values["cut/0"] = bytes(VALUE_BYTES)
+        put_on_disk(cluster, values)
+        admin = AdminClient(cluster.admin_url)
+        offload_dir = cluster.running_holders[0].offload_dir
+        reader = DiskReader(admin, [offload_dir], 16 << 20)
+        (bucket,) = offload_dir.glob("*.bucket")
+        last = max(reader.index.values(), key=lambda value: value.offset)
+        os.truncate(bucket, last.value_offset + VALUE_BYTES // 2)  # the last value half there
+        keys = list(AdminListing(admin, KeyFilter("cut/")).list().keys)
+        records = {record.key: record for record in scan_keys(keys, reader, HostChecker())}
+    cut = last.stored_key.split(b"\0", 1)[1].decode()
+    assert records[cut].verdicts == [Verdict.UNREACHABLE] and records[cut].xxh3 is None
+    assert records[cut].evidence["replicas"][0]["status"] == "failed"
+    assert {key: record.xxh3 for key, record in records.items() if key != cut} == {
+        key: xxhash.xxh3_64_intdigest(value) for key, value in values.items() if key != cut}
+    assert all(record.evidence["replicas"][0]["xxh3"] == f"{record.xxh3:016x}"  # the checks' digest, taken once
+               for key, record in records.items() if key != cut)
+    assert all(record.verdicts == ([Verdict.ZERO_VALUE] if key == "cut/0" else [])
+               for key, record in records.items() if key != cut)
+
+
 def test_an_offload_directory_that_is_not_one_is_a_one_line_error(tmp_path):
     with pytest.raises(AuditError, match="offload directory .*missing does not exist"):
         DiskReader(None, [tmp_path / "missing"], 1 << 20)

@@ -19,7 +19,7 @@ import pytest
 import ray
 
 from audit.cluster import LocalCluster
-from audit.connection import AdminClient
+from audit.connection import AdminClient, open_store
 from audit.sources.listing import AdminListing
 from audit.report.json_report import JsonSink
 from audit.run.orchestrator import ScanOptions, run_scan
@@ -231,3 +231,41 @@ def test_unreachable_ray_address_exits_2_in_seconds(cli_args):
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.splitlines() == ["mooncake-audit: error: Ray at 127.0.0.1:1 unreachable: Connection refused"]
+
+
+def test_ray_tasks_read_disk_only_keys_from_the_holders_offload_directory(local_ray, tmp_path):
+    """On a tiered store (issue #41), `check --read-mode peek --offload-dir DIR --ray`: the Ray task
+    placed on the holder's host reads its disk-only keys from the offload files there, lease-free,
+    as one process reads them; every zero value flagged, in memory or on disk only."""
+    from tests.readers.test_disk_copies import remove
+    from tests.readers.test_tiered import _fill
+
+    with LocalCluster(holders=1, segment_mb=32, offload=True, log_dir=tmp_path) as cluster:
+        built = _fill(cluster, 0)
+        tiers, settled_by = None, time.monotonic() + 30
+        while (now := built.by_tiers()) != tiers and time.monotonic() < settled_by:  # eviction runs on a while
+            tiers = now
+            time.sleep(2)
+        disk_only = tiers[("local_disk",)]
+        assert len(disk_only) >= 10 and disk_only & built.zero
+        offload_dir = cluster.running_holders[0].offload_dir
+        code, document = _report("check", *_args(cluster), "--prefix", "tiered/", "--all", "--read-mode", "peek",
+                                 "--offload-dir", str(offload_dir), "--ray", "local", "--shard-mb", "8")
+        assert code == 1
+        records = by_key(document)
+        assert {key for key, record in records.items() if record["verdicts"]} == built.zero
+        assert all(records[key]["verdicts"] == ["ZERO_VALUE"] for key in built.zero)
+        for key in disk_only:  # read from the files, where the holder keeps them
+            (row,) = records[key]["evidence"]["replicas"]
+            assert row["tier"] == "local_disk" and row["status"] == "ok" and row["file"].startswith(str(offload_dir))
+        entry = document["summary"]["ray"]
+        assert sum(row["keys"] for row in entry["by_node"]) == len(built.values)  # all read by the Ray tasks
+        coverage = document["summary"]["coverage"]
+        assert coverage["keys_read"] == len(built.values) and coverage["complete"] is True
+        assert coverage["replica_tiers"]["local_disk"]["not_read"] == 0
+        assert built.by_tiers() == tiers  # nothing promoted
+        store = open_store(settings_for(cluster))
+        try:
+            remove(store, sorted(disk_only)[0], patience_s=0)  # no lease left: removable at once
+        finally:
+            store.close()

@@ -1,6 +1,7 @@
 """`watch` on a tiered store (issue #41): with `--read-mode peek --offload-dir DIR` it reads the
 disk-only keys from the holder's bucket files, lease-free, flags a disk-only value that went bad on
-disk, and with `--purged LOG` flags a purged key that a holder restart brought back.
+disk, and with `--purged LOG` flags a purged key that a holder restart brought back; and a key held
+in memory and on disk whose disk copy changes under a running watcher is REPLICA_DIVERGENT, once.
 
 One offloading holder (bucket backend, eager, buckets of 4), 8 values of 256 KiB, two all zero:
 one of them purged (its disk copy left, no `--offload-dir`), another key's disk copy zeroed in its
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
+import pytest
 import xxhash
 
 from audit.cluster import LocalCluster
@@ -67,3 +70,39 @@ def test_watch_reads_disk_only_keys_from_the_files_and_flags_a_bad_one_and_a_ret
     for line in found.values():  # read from the bucket files, where the holder keeps them
         (row,) = line["evidence"]["replicas"]
         assert row["tier"] == "local_disk" and row["status"] == "ok" and row["file"].startswith(str(offload_dir)), row
+
+
+@pytest.mark.parametrize("backend", ["bucket", "file_per_key"])
+def test_watch_flags_a_both_tier_key_whose_disk_copy_changed_once(watchers, tmp_path, backend):  # noqa: F811
+    with LocalCluster(holders=1, segment_mb=64, offload=True, bucket_keys=BUCKET_KEYS, backend=backend,
+                      log_dir=tmp_path) as cluster:
+        values = fill(cluster, "both")  # every key in memory and on disk
+        offload_dir = cluster.running_holders[0].offload_dir
+        watcher = watchers(cli_args(cluster), "both/", tmp_path / "state", "--read-mode", "peek",
+                           "--offload-dir", str(offload_dir))
+        watcher.wait_for(lambda m: m.get("mooncake_audit_watch_keys_verified_within_period") == len(values),
+                         timeout_s=60)
+        rounds = watcher.metrics()["mooncake_audit_watch_rounds_total"]
+        watcher.wait_for(lambda m: m["mooncake_audit_watch_rounds_total"] >= rounds + 3)
+        assert watcher.metrics()["mooncake_audit_findings"] == 0  # every disk copy compared, all alike
+
+        changed = "both/5"
+        stored = index_directories([offload_dir])[stored_key("default", changed)]
+        with open(stored.path, "r+b") as stored_file:
+            os.pwrite(stored_file.fileno(), b"\xff" * 4096, stored.value_offset + 8192)
+        metrics = watcher.wait_for(lambda m: m.get("mooncake_audit_findings") == 1, timeout_s=30)
+        assert metrics["mooncake_audit_verdict_keys{severity=error,verdict=REPLICA_DIVERGENT}"] == 1
+        time.sleep(2)  # more rounds: the finding is not reported again
+        assert watcher.stop() == 0
+        assert cluster.tiers(values) == {key: {"memory", "local_disk"} for key in values}  # no lease, no promotion
+
+    (line,) = (tmp_path / "state" / "findings.jsonl").read_text().splitlines()
+    found = json.loads(line)
+    assert found["key"] == changed and found["verdicts"] == ["REPLICA_DIVERGENT"]
+    memory = f"{xxhash.xxh3_64_intdigest(values[changed]):016x}"
+    changed_bytes = bytearray(values[changed])
+    changed_bytes[8192:8192 + 4096] = b"\xff" * 4096
+    disk = f"{xxhash.xxh3_64_intdigest(bytes(changed_bytes)):016x}"
+    assert found["evidence"]["replica_divergent"]["tiers"] == {"local_disk": [disk], "memory": [memory]}
+    (disk_row,) = [row for row in found["evidence"]["replicas"] if row.get("tier") == "local_disk"]
+    assert (disk_row["file"], disk_row["offset"]) == (str(stored.path), stored.value_offset)

@@ -1,0 +1,77 @@
+"""`watch` on a tiered store: the disk copy of a key held in memory and on its holder's SSD compared
+with its memory copy, as `check` compares it (`audit.readers.disk.DiskCopies`): REPLICA_DIVERGENT
+when they differ, whichever is right, reported once like every watch finding.
+
+A watcher runs forever, so the copies are not compared every round. A both-tier key's disk copy is
+read and compared whenever the key itself is read (new, re-verified once a period, named by a
+record), and a key whose copies changed since they were last compared is read again at once. To
+tell, each round indexes the offload directories afresh (their `.meta` files, as the disk-only
+reader does) and stats each file holding a both-tier key once: a key's copies changed when its
+memory replicas (as listed), its disk record (file, offset, size) or that file's mtime differ from
+those at its last comparison. A round so costs one index and a stat per file, plus the reads of
+the keys that changed. A watcher that starts takes the copies of the keys its state verified
+before as they are, unread: a change made while no watcher ran is found at the key's next re-read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from audit.connection import AdminClient
+from audit.readers.disk import DiskCopies, in_both_tiers
+from audit.records import KeyInfo, KeyRecord
+from audit.run.watch_state import WatchState
+
+
+class DiskCopyWatch:
+    """Which both-tier keys a round reads again because their copies changed, and the comparison
+    of the copies of those a round read."""
+
+    def __init__(self, admin: AdminClient, directories: Iterable[Path]):
+        self.admin = admin
+        self.directories = tuple(directories)
+        self.copies: DiskCopies | None = None  # the directories as this round indexed them
+        self._compared: dict[str, tuple] = {}  # name: its copies' fingerprint when they were last compared
+        self._listed_before = False            # whether a round's listing came here before
+
+    def changed(self, listed: Iterable[KeyInfo], state: WatchState) -> set[str]:
+        """The directories indexed afresh; the both-tier keys among `listed` whose copies changed
+        since they were last compared (at a watcher's first round: those its state never verified)."""
+        self.copies = DiskCopies(self.admin, self.directories)
+        mtimes: dict[Path, int | None] = {}
+        now = {key.name: self._fingerprint(key, mtimes) for key in listed if in_both_tiers(key)}
+        now = {name: copies for name, copies in now.items() if copies is not None}
+        if not self._listed_before:
+            self._compared.update({record.key: now[record.key] for record in state.stored(now)})
+            self._listed_before = True
+        self._compared = {name: copies for name, copies in self._compared.items() if name in now}
+        return {name for name, copies in now.items() if self._compared.get(name) != copies}
+
+    def compare(self, records: Iterable[KeyRecord], keys: dict[str, KeyInfo]) -> None:
+        """The disk copies of the both-tier keys among `records` (read from memory this round),
+        judged against the bytes read."""
+        for record in records:
+            key = keys.get(record.key)
+            if key is None or record.xxh3 is None or not in_both_tiers(key):
+                continue
+            if self.copies is None:  # a record round before the first listing
+                self.copies = DiskCopies(self.admin, self.directories)
+            self.copies.compare(record, key)
+            copies = self._fingerprint(key, {})
+            if copies is not None:
+                self._compared[record.key] = copies
+
+    def _fingerprint(self, key: KeyInfo, mtimes: dict[Path, int | None]) -> tuple | None:
+        """What changes when either copy does; None when no directory here holds the disk copy."""
+        value = self.copies.stored(key.name)
+        if value is None:
+            return None
+        if value.path not in mtimes:
+            try:
+                mtimes[value.path] = value.path.stat().st_mtime_ns
+            except FileNotFoundError:  # evicted from the disk since the index
+                mtimes[value.path] = None
+        memory = tuple((replica.get("endpoint"), replica.get("address"), replica.get("size"))
+                       for replica in key.replicas if replica.get("tier", "memory") == "memory")
+        return memory, str(value.path), value.value_offset, value.size, mtimes[value.path]
