@@ -42,7 +42,7 @@ DIGEST = "xxh3_64 of the tokens as little-endian int64"
 def prefix_digest(tokens: Sequence[int]) -> str:
     """The digest of `tokens`, oldest first (the recorder's, the guards' and the scan's: one function;
     a few tokens at a time, so through `array`, not numpy)."""
-    packed = array("q", (int(token) for token in tokens))
+    packed = array("q", tokens if isinstance(tokens, list) else map(int, tokens))
     if sys.byteorder == "big":
         packed.byteswap()
     return xxhash.xxh3_64_hexdigest(packed.tobytes())

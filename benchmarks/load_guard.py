@@ -13,7 +13,10 @@ equally often, on one embedded cluster (TCP loopback):
   NaN/Inf screen of each float32 state), ``guard, no manifest`` (zero test per segment only) and
   ``guard, bound`` (the guard, and layer-0 binding, issue #40: each value's conv rows decoded to
   tokens under the consumer's own weights and compared with its chunk hash's prefix record);
-- the guard's own check with the store stubbed, per key, and as a share of a bare load.
+- the guard's own check with the store stubbed, per key, and as a share of a bare load;
+- the producer's puts of the same values (fresh keys each round, removed untimed): ``put bare``,
+  ``put, guard`` (the null-block test and the records) and ``put, guard bound`` (the put guard's
+  layer-0 binding too).
 
 For binding, the model is a Mamba2 whose layer-0 conv state is this page's (2 rows of 1,024 float32:
 hidden 448, d_conv 3, one group of d_state 64) with a 50,288-token vocabulary and random weights;
@@ -235,6 +238,51 @@ def time_cluster(cluster: LocalCluster, keys_per_load: int, loads: int, record_d
     return {name: median_us(values) for name, values in samples.items()}
 
 
+def time_puts(cluster: LocalCluster, keys_per_load: int, loads: int, record_dir: Path,
+              model: Path, family: str = "mamba2") -> dict[str, float]:
+    """The producer's side: one put of `keys_per_load` values from registered KV memory, bare, through
+    the put guard (null-block test and records), and through the put guard bound at layer 0 (every
+    value's rows decoded under the producer's weights and compared with its hash's prefix record).
+    Each round puts fresh keys (the same hashes) and removes them, untimed."""
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+    write_prefix_records(record_dir / "put-bound", keys_of(keys_per_load), family)
+    classes = {"put bare": MooncakeDistributedStore,
+               "put, guard": recording_store_class(MooncakeDistributedStore, RecordWriter(record_dir / "put"),
+                                                   guard=True),
+               "put, guard bound": recording_store_class(MooncakeDistributedStore,
+                                                         RecordWriter(record_dir / "put-bound"), guard=True)}
+    source = KVMemory(fill=True, images=token_images(model, MODEL, 1, 0), family=family)
+    stores = {}
+    for name, store_class in classes.items():
+        store = stores[name] = store_class()
+        if store.setup("127.0.0.1", cluster.metadata_url, 0, 16 << 20, "tcp", "", cluster.master_address) != 0:
+            raise SystemExit("cannot connect to the embedded cluster")
+        source.register(store)
+        if name == "put, guard bound":
+            store.audit_describe(manifest(model, family), {})
+            store.audit_put_binder.building.join()
+            if store.audit_put_binder.status != "bound":
+                raise SystemExit(f"put binding: {store.audit_put_binder.status}")
+    samples: dict[str, list[float]] = {name: [] for name in stores}
+    names = list(stores)
+    for round_index in range(loads + 1):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            keys = keys_of(keys_per_load, f"-put{round_index}-{names.index(name)}")
+            start = time.perf_counter()
+            results = stores[name].batch_put_from_multi_buffers(keys, *source.batch(keys_per_load), ReplicateConfig())
+            elapsed = time.perf_counter() - start
+            if any(results):
+                raise SystemExit(f"{name}: put failed or withheld: {results}")
+            stores[name].batch_remove(keys, True)
+            if round_index:
+                samples[name].append(elapsed)
+    for store in stores.values():
+        store.close()
+    return {name: median_us(values) for name, values in samples.items()}
+
+
 def time_check(keys_per_load: int, loads: int, record_dir: Path, model: Path,
                family: str = "mamba2") -> dict[str, float]:
     """The guard's check alone, on values already in memory (what it adds to a load, less the record)."""
@@ -270,11 +318,14 @@ def main() -> None:
     model = write_model(record_dir / MODEL, args.family)
     with LocalCluster(holders=1, segment_mb=512) as cluster:
         real = time_cluster(cluster, args.keys, args.loads, record_dir, model, args.family)
+        puts = time_puts(cluster, args.keys, args.loads, record_dir, model, args.family)
     check = time_check(args.keys, args.loads * 10, record_dir, model, args.family)
     print(f"{args.keys} keys of {LAYERS * PAGE >> 20} MiB per load ({LAYERS} pages of {PAGE >> 10} KiB); medians of "
           f"{args.loads} loads on the cluster, {args.loads * 10} checks in memory; microseconds per load")
     for name, value in real.items():
         print(f"  cluster  {name:<20} {value:>10.1f}  {value / real['bare']:.3f}x bare")
+    for name, value in puts.items():
+        print(f"  cluster  {name:<20} {value:>10.1f}  {value / puts['put bare']:.3f}x a bare put")
     for name, value in check.items():
         print(f"  in-place {name:<20} {value:>10.1f}  {value / args.keys:>8.1f} per key  "
               f"{100 * value / real['bare']:.2f}% of a bare load")

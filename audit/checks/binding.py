@@ -30,16 +30,39 @@ def nearest_tokens(rows: np.ndarray, images) -> tuple[np.ndarray, np.ndarray]:
     rows = np.asarray(rows, dtype=np.float32)
     if rows.ndim != 2 or rows.shape[1] != images.columns:
         raise ValueError(f"rows of shape {rows.shape}: the images have {images.columns} columns")
+    return nearest_on_checked(rows[:, images.check_columns], images)
+
+
+def nearest_on_checked(checked: np.ndarray, images) -> tuple[np.ndarray, np.ndarray]:
+    """`nearest_tokens` of rows given on the images' check columns only (n, check) float32: a
+    guard gathers those few columns from a page instead of decoding every row whole."""
     with np.errstate(all="ignore"):
-        return _nearest(_finite(rows[:, images.check_columns]), _finite(rows[:, images.probe_columns]), images)
+        checked = _finite(checked)
+        return _nearest(checked, checked[:, images.probe_index], images)
 
 
 def _finite(columns: np.ndarray) -> np.ndarray:
     """NaN and Inf (bytes read in another dtype) made a huge number: far from every image."""
+    if np.isfinite(columns).all():  # as a rule: one pass, no copy
+        return columns
     return np.where(np.isfinite(columns), columns, np.float32(3e38))
 
 
 def _nearest(checked: np.ndarray, probed: np.ndarray, images) -> tuple[np.ndarray, np.ndarray]:
+    """A row's first token of its code, compared on every check column: a healthy row's token, as a
+    rule, in a handful of array operations for the whole batch; the rows it is not, searched."""
+    centers, codes, order = images.probe_signs
+    tokens = order[np.minimum(codes.searchsorted(sign_codes(probed, centers)), len(codes) - 1)]
+    distances = _distances(checked, tokens[:, None], images)[:, 0]
+    missed = np.flatnonzero(distances > ROW_TOLERANCE)
+    if len(missed):
+        tokens[missed], distances[missed] = _searched(checked[missed], probed[missed], images)
+    return tokens, distances
+
+
+def _searched(checked: np.ndarray, probed: np.ndarray, images) -> tuple[np.ndarray, np.ndarray]:
+    """Rows their code's first token is not near: every token sharing the code, then the
+    vocabulary on the probe columns, then that search's next nearest candidates."""
     centers, codes, order = images.probe_signs
     row_codes = sign_codes(probed, centers)
     first = np.searchsorted(codes, row_codes, side="left")
@@ -47,8 +70,9 @@ def _nearest(checked: np.ndarray, probed: np.ndarray, images) -> tuple[np.ndarra
     looked_up = np.flatnonzero((last > first) & (last - first <= SHARED_CODE))
     tokens = np.zeros(len(checked), dtype=np.int64)
     distances = np.full(len(checked), np.inf, dtype=np.float32)
-    if len(looked_up):  # the tokens sharing the row's code, the last one repeated to fill SHARED_CODE
-        at = np.minimum(first[looked_up, None] + np.arange(SHARED_CODE), last[looked_up, None] - 1)
+    if len(looked_up):  # the tokens sharing the row's code, the last one repeated to fill the widest code's
+        width = int((last[looked_up] - first[looked_up]).max())
+        at = np.minimum(first[looked_up, None] + np.arange(width), last[looked_up, None] - 1)
         candidates = order[at]
         found = _distances(checked[looked_up], candidates, images)
         best = found.argmin(axis=1)
@@ -78,7 +102,7 @@ def _distances(checked: np.ndarray, candidates: np.ndarray, images) -> np.ndarra
     """(n, k) relative L2 distances of each row (on the check columns) from its k candidates' images."""
     full = images.checked_images(candidates.reshape(-1)).reshape(*candidates.shape, -1)
     apart = full - checked[:, None, :]
-    squares = np.einsum("ijk,ijk->ij", apart, apart) / np.maximum(np.einsum("ijk,ijk->ij", full, full), _TINY)
+    squares = np.einsum("ijk,ijk->ij", apart, apart) / np.maximum(images.table_squares[candidates], _TINY)
     distances = np.sqrt(squares, dtype=np.float32)  # (einsum: half the time of two norms, on a guard's path)
     distances[np.isnan(distances)] = np.inf
     return distances

@@ -30,8 +30,10 @@ TABLE_BLOCK_ROWS = 8192  # vocabulary rows converted to float32 at a time while 
 
 def sign_codes(probed: np.ndarray, centers: np.ndarray) -> np.ndarray:
     """Each row's probe columns as bits: 1 where it is above that column's center."""
-    bits = probed > centers
-    return (bits.astype(np.uint32) << np.arange(bits.shape[1], dtype=np.uint32)).sum(axis=1, dtype=np.uint32)
+    packed = np.packbits(probed > centers, axis=1, bitorder="little")  # column c: bit c
+    if packed.shape[1] != 4:
+        packed = np.pad(packed, ((0, 0), (0, 4 - packed.shape[1])))
+    return np.ascontiguousarray(packed).view("<u4")[:, 0]
 
 
 def cache_dir() -> Path:
@@ -81,24 +83,29 @@ class TokenImages:
         return np.unique(np.linspace(0, self.columns - 1, min(CHECK_COLUMNS, self.columns)).astype(np.int64))
 
     @cached_property
-    def _probe_index(self) -> np.ndarray:
+    def probe_index(self) -> np.ndarray:
         """Which of the check columns are the probe's: evenly spread, at most PROBE_COLUMNS."""
         return np.unique(np.linspace(0, len(self.check_columns) - 1,
                                      min(PROBE_COLUMNS, len(self.check_columns))).astype(np.int64))
 
     @cached_property
     def probe_columns(self) -> np.ndarray:
-        return self.check_columns[self._probe_index]
+        return self.check_columns[self.probe_index]
 
     @cached_property
     def probe(self) -> np.ndarray:
         """Every token's image on `probe_columns` (vocab, probe): what a row is searched for in."""
-        return np.ascontiguousarray(self.table[:, self._probe_index])
+        return np.ascontiguousarray(self.table[:, self.probe_index])
 
     @cached_property
     def probe_squares(self) -> np.ndarray:
         """Each token's squared norm on the probe columns (vocab,)."""
         return np.einsum("ij,ij->i", self.probe, self.probe)
+
+    @cached_property
+    def table_squares(self) -> np.ndarray:
+        """Each token's squared norm on the check columns (vocab,): a distance's denominator."""
+        return np.einsum("ij,ij->i", self.table, self.table)
 
     @cached_property
     def probe_signs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -90,6 +90,24 @@ def _attention_rows(group: dict, segment: dict) -> Layer0Rows | None:
     return Layer0Rows(int(segment["index"]), 0, length, dtype, (int(heads), int(block_size), 2 * int(size)), "v")
 
 
+def row_elements(geometry: Layer0Rows, columns: np.ndarray, width: int) -> np.ndarray | None:
+    """Where a value's layer-0 token rows (oldest first) hold the images' check `columns`: element
+    indices (tokens, check) into the region's numbers, so that a guard gathers those few numbers
+    and decodes them, not the page. None where its rows are not `width` wide. An attention page is
+    read in the CPU backend's order (a head's K of every token, then its V:
+    `audit.judge.binding.token_rows`); a conv state is "SD" (state_len, dim) or its transpose."""
+    if geometry.kind == "v":
+        heads, tokens, double = geometry.shape
+        if heads * (double // 2) != width:
+            return None
+        head, dim = np.divmod(columns, double // 2)
+        return np.arange(heads * 2 * tokens * (double // 2)).reshape(heads, 2, tokens, double // 2)[head, 1, :, dim].T
+    elements = np.arange(int(np.prod(geometry.shape))).reshape(geometry.shape)
+    if max(elements.shape) != width:
+        return None
+    return elements[columns, :].T if elements.shape[0] > elements.shape[1] else elements[:, columns]
+
+
 class StateBinder:
     def __init__(self, directory: Path):
         self._tail = RecordTail([Path(directory)], f"{PREFIX_RECORD_PREFIX}*.jsonl*")
@@ -99,6 +117,8 @@ class StateBinder:
         self.status = "not described yet"
         self.building: threading.Thread | None = None  # the thread building the images (joined by tests)
         self._refreshed = -REFRESH_S
+        self._elements: dict[Layer0Rows, tuple] = {}  # each geometry's (`row_elements`, raw number dtype)
+        self._elements_of = None  # the images those were made for
 
     def describe(self, document: dict, *, background: bool = True) -> threading.Thread | None:
         """The consumer's manifest: each group's layer-0 conv state or attention page, and the
@@ -130,7 +150,7 @@ class StateBinder:
             try:
                 images = token_images(Path(model_path), document.get("model") or Path(model_path).name,
                                       int(document.get("tp_size") or 1), int(document.get("tp_rank") or 0))
-                for warmed in ("table", "probe_signs", "twins"):  # built here, off vLLM's path
+                for warmed in ("table", "table_squares", "probe_signs", "twins"):  # built here, off vLLM's path
                     getattr(images, warmed)
             except (LayoutError, OSError, ValueError) as error:
                 self.status = f"not bound: {error}"
@@ -152,47 +172,42 @@ class StateBinder:
         images = self.images
         if images is None:
             return {}
-        from audit.checks.binding import ROW_TOLERANCE, nearest_tokens
-        from audit.checks.floats import decode_floats
+        from audit.checks.binding import ROW_TOLERANCE, nearest_on_checked
+        from audit.checks.floats import FLOAT_DTYPES, decode_floats
         from audit.judge.binding import token_rows
         from audit.judge.prefixes import prefix_matches
 
         hashes = {index: keys[index].rpartition("@")[2] for index in loaded}
-        by_geometry: dict[Layer0Rows, list[tuple[int, np.ndarray]]] = {}  # one decode per geometry
+        pending: list[tuple[int, np.ndarray, Iterator]] = []  # (index, rows on the check columns, later readings)
+        columns = images.check_columns
+        if self._elements_of is not images:
+            self._elements, self._elements_of = {}, images
         for index in loaded:
             match = _GROUP.search(keys[index])
-            rows = self.layer0.get(int(match.group(1)) if match else 0)
-            if rows is None or rows.kind != images.region:
+            geometry = self.layer0.get(int(match.group(1)) if match else 0)
+            if geometry is None or geometry.kind != images.region:
                 continue
-            data = segment_bytes(index, rows.segment)[rows.offset:rows.offset + rows.length]
-            if len(data) == rows.length:
-                by_geometry.setdefault(rows, []).append((index, data))
-        pending: list[tuple[int, np.ndarray, Iterator]] = []  # (index, rows, its later readings)
-        for geometry, values in by_geometry.items():
-            numbers = decode_floats(np.stack([data for _, data in values]), geometry.dtype)
-            if numbers is None or numbers.size != len(values) * int(np.prod(geometry.shape)):
+            if (gather := self._elements.get(geometry)) is None:
+                bits = FLOAT_DTYPES.get(geometry.dtype)
+                elements = None if bits is None else row_elements(geometry, columns, images.columns)
+                gather = self._elements[geometry] = (elements, np.dtype(f"u{bits.itemsize}") if bits else None)
+            elements, raw = gather
+            data = segment_bytes(index, geometry.segment)[geometry.offset:geometry.offset + geometry.length]
+            if elements is None or len(data) != geometry.length:
                 continue
-            if geometry.kind == "v":  # the CPU backend's page first: a head's K of every token, then its V
-                heads, tokens, width = geometry.shape
-                states = numbers.reshape(len(values), heads, 2, tokens, width // 2)[:, :, 1].transpose(0, 2, 1, 3)
-                states = states.reshape(len(values), tokens, heads * (width // 2)).astype(np.float32)
-            else:
-                states = numbers.reshape(len(values), *geometry.shape).astype(np.float32, copy=False)
-                if states.shape[1] > states.shape[2]:  # a "DS" layout: (dim, state_len)
-                    states = states.transpose(0, 2, 1)
-            if states.shape[2] != images.columns:
+            numbers = data.view(raw).take(elements)  # (tokens, check): these few numbers, not the page
+            rows = numbers.view(np.float32) if geometry.dtype == "float32" \
+                else decode_floats(numbers.view(np.uint8).reshape(-1), geometry.dtype).reshape(elements.shape)
+            if geometry.kind == "conv":
+                pending.append((index, rows, iter(())))
                 continue
-            for (index, data), state in zip(values, states):
-                if geometry.kind == "conv":
-                    pending.append((index, state, iter(())))
-                    continue
-                filled = self._filled_rows(hashes[index])  # a partial tail block: its own tokens' rows only
-                later = itertools.islice(token_rows(data, geometry, "v"), 1, None)  # the page interface's orders
-                pending.append((index, state[:filled], map(operator.itemgetter(slice(filled)), later)))
+            filled = self._filled_rows(hashes[index])  # a partial tail block: its own tokens' rows only
+            later = itertools.islice(token_rows(data, geometry, "v"), 1, None)  # the page interface's orders
+            pending.append((index, rows[:filled], map(operator.itemgetter((slice(filled), columns)), later)))
         found, region = {}, "v" if images.region == "v" else "conv"
         decided: dict[int, tuple[list[int], bool]] = {}  # index -> (its tokens, all rows near an image)
         while pending:  # a page's later byte orders only for values the likelier ones did not bind
-            decoded, distances = nearest_tokens(np.concatenate([rows for _, rows, _ in pending]), images)
+            decoded, distances = nearest_on_checked(np.concatenate([rows for _, rows, _ in pending]), images)
             tokens, near, start, later = decoded.tolist(), (distances <= ROW_TOLERANCE).tolist(), 0, []
             for index, rows, readings in pending:
                 end = start + len(rows)
@@ -203,10 +218,12 @@ class StateBinder:
                     later.append((index, rows, readings))
                 start = end
             pending = later
-        if any(self.prefixes.get(hashes[index], region) is None for index in decided):
+        expectations = {index: self.prefixes.get(hashes[index], region) for index in decided}
+        if None in expectations.values():
             self._refresh()
+            expectations = {index: self.prefixes.get(hashes[index], region) for index in decided}
         for index, (tokens, bound) in decided.items():
-            expected = self.prefixes.get(hashes[index], region)
+            expected = expectations[index]
             if not bound:
                 found[index] = WEIGHTS_MISMATCH
             elif expected is not None and prefix_matches(tokens, expected, images.twins, region) is False:
