@@ -10,7 +10,6 @@ import subprocess
 from importlib import resources
 
 import jsonschema
-import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from audit.producers.base import SCREEN_BYTES, Member, Producer, ValueReading
+from audit.producers.base import SCREEN_BYTES as SCREEN_BYTES, Member, Producer, ValueReading
 from audit.producers.lmcache.producer import LMCache
 from audit.producers.sglang.producer import SGLang
-from audit.producers.vllm import OPAQUE, VLLM, split_stem  # split_stem: a key's stem and chunk hash
+from audit.producers.vllm import OPAQUE, VLLM, split_stem as split_stem  # re-exported: a key's stem and chunk hash
 
 # vLLM first: a key with vLLM's markers is vLLM's or nobody's. SGLang before LMCache: an SGLang
 # prefix (`{tag}_`) may hold '@', an LMCache key never ends in `_{k|v|...}`.

@@ -313,7 +313,6 @@ def test_second_order_damage_every_wrong_key_is_divergent_and_every_key_has_a_tw
 
     before = second_order["runs"]["no_cuts"]
     before_summary = before["document"]["summary"]["verify"]
-    before_compared = {r["key"] for r in before["document"]["keys"]}
     state.observed["second_order"] = {
         "production_keys": len(production), "zero": len(zero), "wrong_nonzero": len(wrong), "good": len(good),
         "extender_requests_loading_zero": len(by_request), "engine_s": second_order["engine_s"],
