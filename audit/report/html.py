@@ -444,6 +444,16 @@ def _evidence_summary(record: dict) -> str:
             ids = evidence.get("block_ids") or []
             requests = ", ".join(str(r) for r in evidence.get("req_ids") or [])
             line = f"block table: blocks {ids[:8]}" + (f", request {requests}" if requests else "")
+        elif name == "weights_mismatch":
+            rows = evidence.get("rows") or []
+            far = max((row.get("distance") or 0.0 for row in rows), default=0.0)
+            line = (f"layer-{evidence.get('layer')} {evidence.get('region')} rows are no token's image under these "
+                    f"weights: {len(rows)} rows, farthest {far:g} from its nearest image "
+                    f"(tolerance {evidence.get('row_tolerance')})")
+        elif name == "prefix_mismatch":
+            line = (f"layer-0 {evidence.get('region')} rows are tokens other than those chunk hash "
+                    f"{str(evidence.get('chunk_hash'))[:16]} was recorded with: {evidence.get('window')} tokens, "
+                    f"digest {evidence.get('decoded_digest')} against {evidence.get('recorded_digest')} recorded")
         else:
             line = f"{name}: {json.dumps(evidence)}"
         lines.append(inert_html(line, 300))

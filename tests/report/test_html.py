@@ -314,6 +314,20 @@ def test_findings_table_lists_every_finding_with_its_evidence():
     assert "abcdef0123456789" in text and "tiny-mamba" in text
 
 
+def test_binding_findings_are_said_in_words():
+    """Issue #40: WEIGHTS_MISMATCH and PREFIX_MISMATCH each get a line of their own, not raw JSON."""
+    weights = record("m@group:0@aa", ["WEIGHTS_MISMATCH"], evidence={"weights_mismatch": {
+        "layer": 0, "region": "conv", "row_tolerance": 0.05,
+        "rows": [{"row": 0, "nearest_token": 7, "distance": 0.01}, {"row": 1, "nearest_token": 9, "distance": 0.23}]}})
+    prefix = record("m@group:0@bb", ["PREFIX_MISMATCH"], evidence={"prefix_mismatch": {
+        "chunk_hash": "bb" * 32, "region": "v", "window": 16, "recorded_digest": "0123abcd",
+        "decoded_digest": "fedc9876", "digest": "xxh3_64", "shared_images": 0}})
+    text = "".join(Page(render_html(report([weights, prefix]))).text)
+    assert "layer-0 conv rows are no token's image under these weights: 2 rows, farthest 0.23" in text
+    assert "16 tokens, digest fedc9876 against 0123abcd recorded" in text
+    assert "weights_mismatch:" not in text and "prefix_mismatch:" not in text
+
+
 def test_unread_keys_explain_an_incomplete_scan():
     unreachable = record("gone/<key>", ["UNREACHABLE"], evidence={})
     unreachable.update(xxh3=None, zero=None, error={"code": -800, "name": "UNREACHABLE", "message": "holder down"})
