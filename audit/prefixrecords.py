@@ -25,6 +25,7 @@ secret either (a few tokens can be searched for): keep record directories as pri
 from __future__ import annotations
 
 import itertools
+import re
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
@@ -70,36 +71,59 @@ class PrefixDigest:
 CONV, KV = "conv", "v"
 
 
+_HEX = re.compile(r"(?:[0-9a-f]{2})+")
+_DIGEST = re.compile(r"[0-9a-f]{16}")
+
+
+def _hash_key(chunk_hash: str) -> bytes | str:
+    """A chunk hash as the tables keep it: a hex hash (vLLM's ``block_hash.hex()``) as its bytes,
+    half its text's memory at a million hashes; anything else as its text."""
+    chunk_hash = chunk_hash.lower()
+    return bytes.fromhex(chunk_hash) if _HEX.fullmatch(chunk_hash) else chunk_hash
+
+
+def _packed(entry: PrefixDigest) -> int | PrefixDigest:
+    """A record's window and 16-hex-digit digest as one integer (an object less per hash)."""
+    if _DIGEST.fullmatch(entry.digest) and 0 < entry.window < 1 << 32:
+        return int(entry.digest, 16) << 32 | entry.window
+    return entry
+
+
+def _unpacked(value: int | PrefixDigest | None) -> PrefixDigest | None:
+    return PrefixDigest(value & 0xFFFFFFFF, f"{value >> 32:016x}") if isinstance(value, int) else value
+
+
 @dataclass
 class PrefixRecords:
     """Chunk hash -> what its state's layer-0 tokens digest to (`digests`: conv windows; `blocks`:
-    KV blocks' tokens); `conflicts`: hashes recorded with two different digests (kept out: nothing
+    KV blocks' tokens; kept packed, `_hash_key` and `_packed`: a scan of a million keys holds a
+    million records); `conflicts`: hashes recorded with two different digests (kept out: nothing
     is claimed of them)."""
 
-    digests: dict[str, PrefixDigest] = field(default_factory=dict)
-    blocks: dict[str, PrefixDigest] = field(default_factory=dict)
+    digests: dict = field(default_factory=dict)
+    blocks: dict = field(default_factory=dict)
     conflicts: set[str] = field(default_factory=set)
     records: int = 0
     skipped: int = 0  # malformed lines (a line being appended as the scan read included)
 
     def get(self, chunk_hash: str, region: str = CONV) -> PrefixDigest | None:
-        return (self.blocks if region == KV else self.digests).get(chunk_hash.lower())
+        return _unpacked((self.blocks if region == KV else self.digests).get(_hash_key(chunk_hash)))
 
     def add(self, chunk_hash: str, entry: PrefixDigest | None, block: PrefixDigest | None = None) -> None:
-        chunk_hash = chunk_hash.lower()
+        key = _hash_key(chunk_hash)
         self.records += 1
-        if chunk_hash in self.conflicts:
+        if chunk_hash.lower() in self.conflicts:
             return
         for table, new in ((self.digests, entry), (self.blocks, block)):
-            known = table.get(chunk_hash)
-            if new is None or known == new:
+            known = table.get(key)
+            if new is None or known == (new := _packed(new)):
                 continue
             if known is None:
-                table[chunk_hash] = new
+                table[key] = new
             else:
-                self.digests.pop(chunk_hash, None)
-                self.blocks.pop(chunk_hash, None)
-                self.conflicts.add(chunk_hash)
+                self.digests.pop(key, None)
+                self.blocks.pop(key, None)
+                self.conflicts.add(chunk_hash.lower())
                 return
 
     def trim(self, capacity: int) -> None:
