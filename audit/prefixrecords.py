@@ -110,20 +110,24 @@ class PrefixRecords:
         return _unpacked((self.blocks if region == KV else self.digests).get(_hash_key(chunk_hash)))
 
     def add(self, chunk_hash: str, entry: PrefixDigest | None, block: PrefixDigest | None = None) -> None:
-        key = _hash_key(chunk_hash)
+        self.add_packed(_hash_key(chunk_hash), chunk_hash.lower(),
+                        None if entry is None else _packed(entry), None if block is None else _packed(block))
+
+    def add_packed(self, key, chunk_hash: str, entry, block) -> None:
+        """`add` of a hash already lowercase and its `_hash_key`, and values already `_packed`."""
         self.records += 1
-        if chunk_hash.lower() in self.conflicts:
+        if self.conflicts and chunk_hash in self.conflicts:
             return
         for table, new in ((self.digests, entry), (self.blocks, block)):
             known = table.get(key)
-            if new is None or known == (new := _packed(new)):
+            if new is None or known == new:
                 continue
             if known is None:
                 table[key] = new
             else:
                 self.digests.pop(key, None)
                 self.blocks.pop(key, None)
-                self.conflicts.add(chunk_hash.lower())
+                self.conflicts.add(chunk_hash)
                 return
 
     def trim(self, capacity: int) -> None:
@@ -172,6 +176,26 @@ def parse_prefix_record(record: dict) -> tuple[str, PrefixDigest | None, PrefixD
     return chunk_hash, conv, block
 
 
+# The recorder's own lines (`prefix_line`), read without a JSON parser: a million records a scan.
+# Each reads as json.loads would read it (lowercase hex, no escapes, positive integers); any other
+# line takes the JSON path.
+_RECORDER_LINE = re.compile(r'\{(?:"v":2,)?"hash":"((?:[0-9a-f]{2})+)"(?:,"window":([1-9][0-9]{0,8}),'
+                            r'"digest":"([0-9a-f]{16})")?(?:,"kv_window":([1-9][0-9]{0,8}),"kv_digest":"([0-9a-f]{16})")?\}\s*')
+
+
+def _recorder_line(line: str) -> tuple | None:
+    """(its `_hash_key`, hash, packed conv window, packed KV block) of a line as the recorder writes
+    it; None otherwise."""
+    found = _RECORDER_LINE.fullmatch(line)
+    if found is None:
+        return None
+    chunk_hash, window, digest, kv_window, kv_digest = found.groups()
+    if window is None and kv_window is None or kv_window is not None and not line.startswith('{"v":2,'):
+        return None  # neither window, or a KV block in a version-1 line: the JSON path says why
+    return (bytes.fromhex(chunk_hash), chunk_hash, None if window is None else int(digest, 16) << 32 | int(window),
+            None if kv_window is None else int(kv_digest, 16) << 32 | int(kv_window))
+
+
 def read_prefix_records(paths: Iterable[Path]) -> PrefixRecords:
     """Every prefix record under `paths`; a malformed line is counted and passed over, never fatal."""
     result = PrefixRecords()
@@ -180,7 +204,13 @@ def read_prefix_records(paths: Iterable[Path]) -> PrefixRecords:
         result.skipped += 1
 
     for path in prefix_record_paths(paths):
-        for _, parsed in parsed_lines(numbered_lines(path, "prefix record"), path, "prefix record", parse_prefix_record,
+        others: list[tuple[int, str]] = []
+        for number, line in numbered_lines(path, "prefix record"):
+            if (packed := _recorder_line(line)) is not None:
+                result.add_packed(*packed)
+            else:
+                others.append((number, line))
+        for _, parsed in parsed_lines(others, path, "prefix record", parse_prefix_record,
                                       lenient=True, skipped=skipped):
             result.add(*parsed)
     return result

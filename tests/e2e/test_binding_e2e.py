@@ -70,7 +70,7 @@ class Case:
 CASES = {case.name: case for case in [
     Case("mamba2-fp32-tp1", "mamba2-tiny", 1, "float32", 1e-5),
     Case("mamba2-fp32-tp2", "mamba2-tiny", 2, "float32", 1e-5),
-    Case("mamba2-bf16-tp1", "mamba2-tiny-bf16", 1, None, 0.01),
+    Case("mamba2-bf16-tp1", "mamba2-tiny-bf16", 1, None, 0.01, shares_clean=True),
     Case("nemotron-h-tp1", "nemotron-h-tiny", 1, None, 0.01, block=None, shares_clean=True),
     Case("granite-4h-tp1", "granite-4h-tiny", 1, None, 0.01, block=None),
     Case("zamba2-tp1", "zamba2-tiny", 1, None, 0.01, block=None),

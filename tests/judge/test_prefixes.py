@@ -86,3 +86,31 @@ def test_a_hash_recorded_with_two_digests_claims_nothing(tmp_path):
     records = read_prefix_records([tmp_path])
     assert records.records == 3 and records.conflicts == {"ab"} and records.get("AB") is None
     assert records.get("cd") == PrefixDigest(3, prefix_digest([1, 2, 3])) and len(records) == 1
+
+
+def test_the_recorders_lines_read_without_json_read_as_json_reads_them(tmp_path):
+    """`read_prefix_records` reads the recorder's own lines by a pattern: every line, odd or not, ends
+    in the same records as the JSON path's (`parse_prefix_record` of `json.loads`), skips included."""
+    from audit.prefixrecords import parse_prefix_record
+    from audit.recordfiles import Malformed
+
+    h, d = "ab" * 32, "0123456789abcdef"
+    lines = [prefix_line(h, 3, [1, 2, 3]), prefix_line("cd" * 32, None, None, [4, 5]),
+             prefix_line("ef" * 32, 2, [6, 7], [8, 9, 10]), prefix_line("AB" * 32, 3, [1, 2, 4]),  # a conflict, in capitals
+             f'{{"hash":"{"12" * 32}","window":3,"digest":"{d}","kv_window":2,"kv_digest":"{d}"}}',  # KV in version 1
+             f'{{"hash":"{"34" * 32}","window":0,"digest":"{d}"}}', f'{{"hash":"abc","window":3,"digest":"{d}"}}',
+             f'{{"v":2,"hash":"{"56" * 32}"}}', f'{{"v":3,"hash":"{"78" * 32}","window":3,"digest":"{d}"}}',
+             f'{{"hash":"{"9a" * 32}","window":3,"digest":"{d[:8]}"}}', "not json", ""]
+    (tmp_path / "prefixes-host-1-0000.jsonl").write_text("\n".join(lines) + "\n")
+    read = read_prefix_records([tmp_path])
+    reference = PrefixRecords()
+    for line in filter(None, lines):
+        try:
+            reference.add(*parse_prefix_record(json.loads(line)))
+        except (ValueError, Malformed):
+            reference.skipped += 1
+    assert (read.digests, read.blocks, read.conflicts, read.records, read.skipped) == \
+        (reference.digests, reference.blocks, reference.conflicts, reference.records, reference.skipped)
+    assert read.conflicts == {h} and read.skipped == 4 and read.records == 7
+    assert read.get("EF" * 32, "v") == PrefixDigest(3, prefix_digest([8, 9, 10]))
+    assert read.get("abc") == PrefixDigest(3, d) and read.get("9A" * 32) == PrefixDigest(3, d[:8])
