@@ -34,7 +34,7 @@ def window_tokens(tokens, expected: PrefixDigest, region: str) -> list[int] | No
     if expected.window > len(tokens):
         return None
     chosen = tokens[len(tokens) - expected.window:] if region == CONV else tokens[:expected.window]
-    return list(map(int, chosen))
+    return chosen.tolist() if isinstance(chosen, np.ndarray) else list(map(int, chosen))
 
 
 def prefix_matches(tokens, expected: PrefixDigest, twins: dict, region: str = CONV) -> bool | None:
