@@ -23,9 +23,9 @@ def _offload_directories(directories: Iterable[Path]) -> list[Path]:
     return found
 
 
-def _bucket_values(meta: Path) -> list[StoredValue]:
+def _bucket_values(meta: Path, bucket: Path | None = None) -> list[StoredValue]:
     try:
-        return bucket_values(meta)
+        return bucket_values(meta, bucket)
     except FileNotFoundError:  # evicted from the disk meanwhile
         return []
     except (OSError, ValueError) as error:
@@ -80,7 +80,8 @@ def _bucket_index(directory: Path) -> list[tuple[int, str, list[StoredValue]]]:
             except FileNotFoundError:  # evicted from the disk meanwhile
                 continue
             file_stamp = (status.st_ino, status.st_size, status.st_mtime_ns)
-            values = file.values if file is not None and file.stamp == file_stamp else _bucket_values(directory / name)
+            values = file.values if file is not None and file.stamp == file_stamp \
+                else _bucket_values(directory / name, directory / (name[:-len(".meta")] + ".bucket"))
             file = _Parsed(file_stamp, now - status.st_mtime_ns > SETTLED_NS, values)
         parsed[name] = file
         found.append((file.stamp[2], name, file.values))
