@@ -32,21 +32,37 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
-from audit.recordfiles import Malformed, numbered_lines, parsed_lines
+from audit.producers.vllm import is_hex
+from audit.recordfiles import Malformed
 
 PREFIX_RECORD_PREFIX = "prefixes-"
 DIGEST = "xxh3_64 of the tokens as little-endian int64"
+_INT64 = np.dtype("<i8")
 
 
-def prefix_digest(tokens: Sequence[int]) -> str:
-    """The digest of `tokens`, oldest first (the recorder's, the guards' and the scan's: one function;
-    a few tokens at a time, so through `array`, not numpy)."""
+def token_bytes(tokens) -> memoryview:
+    """`tokens` as the digest reads them: little-endian int64, oldest first (an array of a row a key:
+    each row in turn). A few tokens at a time, so a list through `array`, not numpy."""
+    if isinstance(tokens, np.ndarray):
+        return memoryview(np.ascontiguousarray(tokens, _INT64)).cast("B")
     packed = array("q", tokens if isinstance(tokens, list) else map(int, tokens))
     if sys.byteorder == "big":
         packed.byteswap()
-    return xxhash.xxh3_64_hexdigest(packed.tobytes())
+    return memoryview(packed).cast("B")
+
+
+def digest_value(tokens) -> int:
+    """The digest of `tokens`, oldest first, as an integer (the recorder's, the guards' and the scan's:
+    one function, over `token_bytes`)."""
+    return xxhash.xxh3_64_intdigest(token_bytes(tokens))
+
+
+def prefix_digest(tokens: Sequence[int]) -> str:
+    """`digest_value` as the records write it: 16 hex digits."""
+    return f"{digest_value(tokens):016x}"
 
 
 def prefix_line(chunk_hash: str, window: int | None, tokens: Sequence[int] | None,
@@ -71,15 +87,13 @@ class PrefixDigest:
 CONV, KV = "conv", "v"
 
 
-_HEX = re.compile(r"(?:[0-9a-f]{2})+")
 _DIGEST = re.compile(r"[0-9a-f]{16}")
 
 
-def _hash_key(chunk_hash: str) -> bytes | str:
+def hash_key(chunk_hash: str) -> bytes | str:
     """A chunk hash as the tables keep it: a hex hash (vLLM's ``block_hash.hex()``) as its bytes,
     half its text's memory at a million hashes; anything else as its text."""
-    chunk_hash = chunk_hash.lower()
-    return bytes.fromhex(chunk_hash) if _HEX.fullmatch(chunk_hash) else chunk_hash
+    return bytes.fromhex(chunk_hash) if len(chunk_hash) % 2 == 0 and is_hex(chunk_hash) else chunk_hash.lower()
 
 
 def _packed(entry: PrefixDigest) -> int | PrefixDigest:
@@ -89,16 +103,16 @@ def _packed(entry: PrefixDigest) -> int | PrefixDigest:
     return entry
 
 
-def _unpacked(value: int | PrefixDigest | None) -> PrefixDigest | None:
+def unpacked(value: int | PrefixDigest | None) -> PrefixDigest | None:
     return PrefixDigest(value & 0xFFFFFFFF, f"{value >> 32:016x}") if isinstance(value, int) else value
 
 
 @dataclass
 class PrefixRecords:
     """Chunk hash -> what its state's layer-0 tokens digest to (`digests`: conv windows; `blocks`:
-    KV blocks' tokens; kept packed, `_hash_key` and `_packed`: a scan of a million keys holds a
-    million records); `conflicts`: hashes recorded with two different digests (kept out: nothing
-    is claimed of them)."""
+    KV blocks' tokens; kept packed, `hash_key` and `_packed`), added a line at a time (the guards
+    read the records being written; a scan's are `audit.prefixtable`'s); `conflicts`: hashes
+    recorded with two different digests (kept out: nothing is claimed of them)."""
 
     digests: dict = field(default_factory=dict)
     blocks: dict = field(default_factory=dict)
@@ -107,28 +121,32 @@ class PrefixRecords:
     skipped: int = 0  # malformed lines (a line being appended as the scan read included)
 
     def get(self, chunk_hash: str, region: str = CONV) -> PrefixDigest | None:
-        return _unpacked((self.blocks if region == KV else self.digests).get(_hash_key(chunk_hash)))
+        return unpacked(self.packed(chunk_hash, region))
+
+    def packed(self, chunk_hash: str, region: str = CONV) -> int | PrefixDigest | None:
+        """`get` as kept: most records one integer, `(digest_value << 32) | window` (`_packed`)."""
+        return (self.blocks if region == KV else self.digests).get(hash_key(chunk_hash))
+
+    def packed_many(self, keys: list, region: str = CONV) -> list:
+        """`packed` of hashes given as their `hash_key` (None: no record)."""
+        table = self.blocks if region == KV else self.digests
+        return [None if key is None else table.get(key) for key in keys]
 
     def add(self, chunk_hash: str, entry: PrefixDigest | None, block: PrefixDigest | None = None) -> None:
-        self.add_packed(_hash_key(chunk_hash), chunk_hash.lower(),
+        self.add_packed(hash_key(chunk_hash), chunk_hash.lower(),
                         None if entry is None else _packed(entry), None if block is None else _packed(block))
 
     def add_packed(self, key, chunk_hash: str, entry, block) -> None:
-        """`add` of a hash already lowercase and its `_hash_key`, and values already `_packed`."""
+        """`add` of a hash already lowercase and its `hash_key`, and values already `_packed`."""
         self.records += 1
         if self.conflicts and chunk_hash in self.conflicts:
             return
-        for table, new in ((self.digests, entry), (self.blocks, block)):
-            known = table.get(key)
-            if new is None or known == new:
-                continue
-            if known is None:
-                table[key] = new
-            else:
-                self.digests.pop(key, None)
-                self.blocks.pop(key, None)
-                self.conflicts.add(chunk_hash)
-                return
+        if (entry is None or self.digests.setdefault(key, entry) == entry) and \
+                (block is None or self.blocks.setdefault(key, block) == block):
+            return  # new, or as recorded before
+        self.digests.pop(key, None)
+        self.blocks.pop(key, None)
+        self.conflicts.add(chunk_hash)
 
     def trim(self, capacity: int) -> None:
         """Past `capacity` hashes in either table, its oldest half goes (a guard's records are read for a while)."""
@@ -179,38 +197,19 @@ def parse_prefix_record(record: dict) -> tuple[str, PrefixDigest | None, PrefixD
 # The recorder's own lines (`prefix_line`), read without a JSON parser: a million records a scan.
 # Each reads as json.loads would read it (lowercase hex, no escapes, positive integers); any other
 # line takes the JSON path.
-_RECORDER_LINE = re.compile(r'\{(?:"v":2,)?"hash":"((?:[0-9a-f]{2})+)"(?:,"window":([1-9][0-9]{0,8}),'
+_RECORDER_LINE = re.compile(r'\{(?:"v":2,)?"hash":"([0-9a-f]+)"(?:,"window":([1-9][0-9]{0,8}),'
                             r'"digest":"([0-9a-f]{16})")?(?:,"kv_window":([1-9][0-9]{0,8}),"kv_digest":"([0-9a-f]{16})")?\}\s*')
 
 
-def _recorder_line(line: str) -> tuple | None:
-    """(its `_hash_key`, hash, packed conv window, packed KV block) of a line as the recorder writes
+def recorder_line(line: str) -> tuple | None:
+    """(its `hash_key`, hash, packed conv window, packed KV block) of a line as the recorder writes
     it; None otherwise."""
     found = _RECORDER_LINE.fullmatch(line)
     if found is None:
         return None
     chunk_hash, window, digest, kv_window, kv_digest = found.groups()
-    if window is None and kv_window is None or kv_window is not None and not line.startswith('{"v":2,'):
-        return None  # neither window, or a KV block in a version-1 line: the JSON path says why
+    if window is None and kv_window is None or kv_window is not None and not line.startswith('{"v":2,') \
+            or len(chunk_hash) % 2:
+        return None  # neither window, a KV block in a version-1 line, an odd hex hash: the JSON path
     return (bytes.fromhex(chunk_hash), chunk_hash, None if window is None else int(digest, 16) << 32 | int(window),
             None if kv_window is None else int(kv_digest, 16) << 32 | int(kv_window))
-
-
-def read_prefix_records(paths: Iterable[Path]) -> PrefixRecords:
-    """Every prefix record under `paths`; a malformed line is counted and passed over, never fatal."""
-    result = PrefixRecords()
-
-    def skipped() -> None:
-        result.skipped += 1
-
-    for path in prefix_record_paths(paths):
-        others: list[tuple[int, str]] = []
-        for number, line in numbered_lines(path, "prefix record"):
-            if (packed := _recorder_line(line)) is not None:
-                result.add_packed(*packed)
-            else:
-                others.append((number, line))
-        for _, parsed in parsed_lines(others, path, "prefix record", parse_prefix_record,
-                                      lenient=True, skipped=skipped):
-            result.add(*parsed)
-    return result

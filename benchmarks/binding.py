@@ -25,6 +25,7 @@ the summary's binding says the model was bound, or is absent).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -106,7 +107,8 @@ def publish(cluster, bound: Path, keys: int, records: Path) -> int:
                 values[:] = state_like(rng, count * layout.size).reshape(count, layout.size)
                 tokens = rng.integers(0, images.vocab_size, (count, 3))
                 values[:, conv.offset:conv.offset + conv.length] = every_image[tokens].view(np.uint8).reshape(count, -1)
-                hashes = [f"{index:064x}" for index in range(first, first + count)]
+                hashes = [hashlib.sha256(index.to_bytes(8, "little")).hexdigest()  # as vLLM's: sha256, uniform
+                          for index in range(first, first + count)]
                 lines.writelines(prefix_line(digest, 3, its_tokens) + "\n" for digest, its_tokens in zip(hashes, tokens))
                 codes = store.batch_put_from([vllm_key(NAME, digest) for digest in hashes],
                                              [buffer.ctypes.data + slot * layout.size for slot in range(count)],

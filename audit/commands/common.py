@@ -91,7 +91,7 @@ def check_plan(model_config, model, conv_layout, layout, layout_for_all, block_t
 
         plan.bindings.producers = ProducerWeights.compare(plan.manifests, plan.bindings.directories)
     if block_tables and plan.bindings.directories:  # and the tokens each chunk hash names
-        from audit.prefixrecords import read_prefix_records
+        from audit.prefixtable import read_prefix_records
 
         plan.bindings.prefixes = read_prefix_records(block_tables)
     return plan

@@ -20,11 +20,12 @@ import numpy as np
 from audit.checks.binding import ROW_TOLERANCE, nearest_tokens
 from audit.checks.floats import FLOAT_DTYPES, decode_floats
 from audit.judge.fingerprints import ProducerWeights
-from audit.judge.prefixes import check_prefix
+from audit.judge.prefixes import check_prefixes
 from audit.layouts import LayoutError
 from audit.layouts.checkpoint import Checkpoint
 from audit.layouts.weights import token_images
-from audit.prefixrecords import KV, PrefixRecords
+from audit.prefixrecords import KV
+from audit.prefixtable import PrefixTable
 from audit.producers.vllm import split_stem
 from audit.records import KeyRecord, Verdict
 
@@ -46,7 +47,7 @@ class Bindings:
     directories: dict[str, Path] = field(default_factory=dict)  # model name (as in keys) -> directory
     unbound: dict[str, str] = field(default_factory=dict)
     producers: ProducerWeights | None = None  # the manifests' fingerprints against these directories'
-    prefixes: PrefixRecords | None = None     # the producers' prefix records (--block-tables DIR)
+    prefixes: PrefixTable | None = None       # the producers' prefix records (--block-tables DIR)
     decoded: Counter = field(default_factory=Counter)
     prefix_checked: int = 0
     _images: dict = field(default_factory=dict, repr=False)
@@ -140,19 +141,21 @@ def bind_values(records: list[KeyRecord], values: list, readings: list, bindings
     judged = [i for i, (record, value, layouts) in enumerate(zip(records, values, readings))
               if value is not None and layouts and not _ALREADY_FLAGGED.intersection(record.verdicts)]
     tried: dict[int, list] = {}  # record index -> (images, tokens, distances), one per reading decoded
-    first_bound = set()  # record indices whose stacked first reading binds
+    decoded: Counter = Counter()  # keys decoded, per model
+    of_prefix: list[tuple] = []  # (images, records bound, their tokens), each compared with its prefix record
     stacked, one_by_one = _stacked_conv_rows(judged, records, values, readings, bindings)
     later_of = {i: _readings(records[i], values[i], readings[i], bindings) for i in one_by_one}
     for images, members, rows in stacked:
         tokens, distances = nearest_tokens(rows.reshape(-1, images.columns), images)
         tokens, distances = tokens.reshape(len(members), -1), distances.reshape(len(members), -1)
-        for i, its_tokens, its_distances, binds in zip(members, tokens, distances,
-                                                       (distances <= ROW_TOLERANCE).all(axis=1).tolist()):
-            tried[i] = [(images, its_tokens, its_distances)]
-            if binds:
-                first_bound.add(i)
-            else:  # the first reading, already decoded, does not bind: the later ones are made one at a time
-                later_of[i] = itertools.islice(_readings(records[i], values[i], readings[i], bindings), 1, None)
+        binds = (distances <= ROW_TOLERANCE).all(axis=1)
+        decoded[images.model] += len(members)
+        if bindings.prefixes is not None:  # the keys bound at once: their prefixes compared as one batch
+            of_prefix.append((images, [records[members[j]] for j in np.flatnonzero(binds).tolist()], tokens[binds]))
+        for j in np.flatnonzero(~binds).tolist():  # the first reading, decoded, does not bind:
+            i = members[j]                         # the later ones are made one at a time
+            tried[i] = [(images, tokens[j], distances[j])]
+            later_of[i] = itertools.islice(_readings(records[i], values[i], readings[i], bindings), 1, None)
     pending = [(i, reading, later) for i, later in later_of.items() if (reading := next(later, None)) is not None]
     while pending:
         groups: dict[int, list] = {}
@@ -167,17 +170,18 @@ def bind_values(records: list[KeyRecord], values: list, readings: list, bindings
                 start = end
         unbound = [(i, later) for i, _, later in pending if not (tried[i][-1][2] <= ROW_TOLERANCE).all()]
         pending = [(i, reading, later) for i, later in unbound if (reading := next(later, None)) is not None]
-    checked = 0
     for i, outcomes in tried.items():
-        bound = [outcomes[0][:2]] if i in first_bound else [
-            (images, tokens) for images, tokens, distances in outcomes if (distances <= ROW_TOLERANCE).all()]
+        bound = [(images, tokens) for images, tokens, distances in outcomes if (distances <= ROW_TOLERANCE).all()]
         if not bound:
             images, tokens, distances = outcomes[0]
             _flag(records[i], tokens, distances, images)
         elif bindings.prefixes is not None:  # these weights' state: of the prefix its hash names?
             images, tokens = bound[0]
-            checked += check_prefix(records[i], tokens, images, bindings.prefixes) is not None
-    bindings.count(Counter(outcomes[0][0].model for outcomes in tried.values()), checked)
+            of_prefix.append((images, [records[i]], [tokens]))
+    decoded.update(tried[i][0][0].model for i in one_by_one if i in tried)
+    checked = sum(check_prefixes(bound_records, tokens, images, bindings.prefixes)
+                  for images, bound_records, tokens in of_prefix)
+    bindings.count(decoded, checked)
 
 
 def _stacked_conv_rows(judged: list[int], records, values, readings, bindings: Bindings) -> tuple[list, list]:
@@ -185,24 +189,26 @@ def _stacked_conv_rows(judged: list[int], records, values, readings, bindings: B
     of (images, record indices, rows (keys, rows, columns)); and the record indices left to read one
     at a time (attention pages, whose rows depend on each key's record; GPU tensors; a width that
     does not fit the images, which `_readings` reports)."""
+    sharded: dict[tuple, bool] = {}  # (the key's readings, its size) -> whether its rank matters
     firsts: dict[tuple, tuple] = {}  # (the key's readings, its size, its rank) -> (images, region) or None
     groups: dict[tuple, list] = {}
     one_by_one = []
     for i in judged:
         record, layouts = records[i], readings[i]
-        rank = record.parsed_fields().get("tp_rank", 0) if any(layout.tp_size > 1 for layout in layouts) else 0
-        ident = (*map(id, layouts), record.size, rank)
-        if ident not in firsts:
-            firsts[ident] = _first_conv_reading(record.size, rank, layouts, bindings)
-        first = firsts[ident]
+        ident = (*map(id, layouts), record.size)
+        if (by_rank := sharded.get(ident)) is None:
+            by_rank = sharded[ident] = any(layout.tp_size > 1 for layout in layouts)
+        rank = record.parsed_fields().get("tp_rank", 0) if by_rank else 0
+        if (first := firsts.get(reading := (*ident, rank), firsts)) is firsts:
+            first = firsts[reading] = _first_conv_reading(record.size, rank, layouts, bindings)
         if first is None or not isinstance(values[i], np.ndarray):
             one_by_one.append(i)
         else:
             groups.setdefault((id(first[0]), id(first[1])), [*first, []])[2].append(i)
     stacked = []
     for images, region, members in groups.values():
-        data = np.stack([values[i][region.offset:region.offset + region.length] for i in members])
-        numbers = decode_floats(data.reshape(-1), region.dtype)
+        data = np.concatenate([values[i][region.offset:region.offset + region.length] for i in members])
+        numbers = decode_floats(data, region.dtype)
         if numbers is None:
             continue
         rows = numbers.reshape(len(members), *region.shape).astype(np.float32)
@@ -248,7 +254,7 @@ def _readings(record: KeyRecord, value, layouts, bindings: Bindings) -> Iterator
             yield images, rows
 
 
-def _filled_rows(record: KeyRecord, kind: str, prefixes: PrefixRecords | None) -> int | None:
+def _filled_rows(record: KeyRecord, kind: str, prefixes: PrefixTable | None) -> int | None:
     """How many of an attention page's V rows are its block's tokens, where its producer recorded
     the block (a partial tail block is keyed at its last token, and its later rows hold whatever
     the page held before); None: every row (a conv state, or no record)."""

@@ -12,6 +12,7 @@ import itertools
 import math
 
 import numpy as np
+import xxhash
 
 from audit.prefixrecords import (
     CONV,
@@ -20,20 +21,22 @@ from audit.prefixrecords import (
     PrefixDigest,
     PrefixRecords,
     prefix_digest,
+    token_bytes,
 )
+from audit.prefixtable import PrefixTable
 from audit.producers.vllm import split_stem
 from audit.records import KeyRecord, Verdict
 
 MAX_READINGS = 256  # token sequences tried for a window of shared images; beyond it, nothing is claimed
 
 
-def window_tokens(tokens, expected: PrefixDigest, region: str) -> list[int] | None:
-    """The decoded tokens `expected` names: a conv state's last `window` rows (the tokens before its
-    boundary), an attention block's first `window` V rows (its own tokens from the block's start; a
-    partial tail block's later rows hold nothing of it). None: the rows hold fewer tokens."""
-    if expected.window > len(tokens):
+def window_tokens(tokens, window: int, region: str) -> list[int] | None:
+    """The `window` decoded tokens a record names: a conv state's last `window` rows (the tokens before
+    its boundary), an attention block's first `window` V rows (its own tokens from the block's start;
+    a partial tail block's later rows hold nothing of it). None: the rows hold fewer tokens."""
+    if window > len(tokens):
         return None
-    chosen = tokens[len(tokens) - expected.window:] if region == CONV else tokens[:expected.window]
+    chosen = tokens[len(tokens) - window:] if region == CONV else tokens[:window]
     return chosen.tolist() if isinstance(chosen, np.ndarray) else list(map(int, chosen))
 
 
@@ -42,7 +45,7 @@ def prefix_matches(tokens, expected: PrefixDigest, twins: dict, region: str = CO
     record says (`window_tokens`), any token of a class of shared images standing for any other
     (`twins`); None: nothing to say (the rows hold fewer tokens than the window, or the classes
     leave too many readings)."""
-    window = window_tokens(tokens, expected, region)
+    window = window_tokens(tokens, expected.window, region)
     if window is None:
         return None
     if prefix_digest(window) == expected.digest:
@@ -53,7 +56,7 @@ def prefix_matches(tokens, expected: PrefixDigest, twins: dict, region: str = CO
     return any(prefix_digest(reading) == expected.digest for reading in itertools.product(*classes))
 
 
-def check_prefix(record: KeyRecord, tokens: np.ndarray, images, prefixes: PrefixRecords) -> bool | None:
+def check_prefix(record: KeyRecord, tokens: np.ndarray, images, prefixes: PrefixRecords | PrefixTable) -> bool | None:
     """Flag `record` when its decoded layer-0 `tokens` (oldest first) do not digest to its chunk
     hash's record for its region (`images.region`). None: nothing to compare (no record, or
     `prefix_matches` cannot say); True: flagged."""
@@ -63,10 +66,42 @@ def check_prefix(record: KeyRecord, tokens: np.ndarray, images, prefixes: Prefix
     matches = None if expected is None else prefix_matches(tokens, expected, images.twins, region)
     if matches is not False:
         return None if matches is None else False
-    window = window_tokens(tokens, expected, region)
+    window = window_tokens(tokens, expected.window, region)
     record.verdicts.append(Verdict.PREFIX_MISMATCH)
     record.evidence["prefix_mismatch"] = {
         "chunk_hash": split[1], "region": images.region, "window": expected.window,
         "recorded_digest": expected.digest, "decoded_digest": prefix_digest(window), "digest": DIGEST,
         "shared_images": sum(token in images.twins for token in window)}
     return True
+
+
+def check_prefixes(records: list[KeyRecord], token_rows, images, prefixes: PrefixRecords | PrefixTable) -> int:
+    """`check_prefix` of each record of `images`' model, its decoded tokens in `token_rows` (arrays,
+    or one array of a row a key); how many keys were compared. A key whose hex hash has a packed
+    record its tokens digest to is settled at once, with no record object or string (about a
+    microsecond: a scan checks a million keys); any other key goes `check_prefix`'s whole way."""
+    region = KV if images.region == KV else CONV
+    if isinstance(token_rows, np.ndarray):  # (keys, rows): one buffer, each key's tokens a slice of it
+        whole, width = token_bytes(token_rows), token_rows.shape[1] * 8
+        encoded = [whole[start:start + width] for start in range(0, len(whole), width)]
+    else:
+        encoded = [token_bytes(tokens) for tokens in token_rows]
+    hashed = []  # each key's hex hash as the tables keep it (`hash_key`), None for any other key
+    for record in records:
+        stem, _, chunk_hash = record.key.rpartition("@")
+        try:
+            key = bytes.fromhex(chunk_hash)
+        except ValueError:
+            key = None
+        hashed.append(key if stem and key and len(key) * 2 == len(chunk_hash) else None)
+    checked = 0
+    for j, (record, raw, key, packed) in enumerate(zip(records, encoded, hashed, prefixes.packed_many(hashed, region))):
+        if key is not None and packed is None:
+            continue  # a hex hash without a record: nothing to compare
+        if isinstance(packed, int) and (window := (packed & 0xFFFFFFFF) * 8) <= len(raw):
+            chosen = raw[len(raw) - window:] if region == CONV else raw[:window]
+            if xxhash.xxh3_64_intdigest(chosen) == packed >> 32:  # (`digest_value` of those tokens)
+                checked += 1
+                continue
+        checked += check_prefix(record, token_rows[j], images, prefixes) is not None
+    return checked

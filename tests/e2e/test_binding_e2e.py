@@ -327,7 +327,7 @@ def test_llama_keys_against_another_checkpoint_under_the_same_name_are_weights_m
 @pytest.mark.parametrize("name", CASES)
 def test_every_key_has_its_prefix_record_and_matches_it(session, models_dir, observed, name):
     """The recorder named the tokens of every published key's hash, and every state holds them."""
-    from audit.prefixrecords import read_prefix_records
+    from audit.prefixtable import read_prefix_records
 
     result = produced(session, models_dir, name)
     recorded = read_prefix_records([result.records])
@@ -388,7 +388,7 @@ def test_every_attention_block_has_its_own_tokens_record_and_the_put_guard_withh
     """Issue #40 §3-4 for attention: the recorder named each published block's own tokens under its
     hash (the KV window: the block, 32 tokens), a scan with them compares every key and flags
     nothing, and the put guard, bound (its log says so), withheld no healthy block."""
-    from audit.prefixrecords import read_prefix_records
+    from audit.prefixtable import read_prefix_records
 
     result = produced(session, models_dir, name)
     recorded = read_prefix_records([result.records])

@@ -13,8 +13,10 @@ import numpy as np
 from audit.judge.plan import load_layouts
 from audit.judge.prefixes import check_prefix
 from audit.layouts.weights import token_images
-from audit.prefixrecords import PrefixDigest, PrefixRecords, prefix_digest, prefix_line, read_prefix_records
+from audit.prefixrecords import PrefixDigest, PrefixRecords, prefix_digest, prefix_line
+from audit.prefixtable import read_prefix_records
 from audit.producers.vllm import vllm_key
+from audit.recordfiles import Malformed
 from audit.records import KeyRecord, Verdict
 from tests.helpers import report_schema, run_cli, tiny_mamba2_checkpoint
 from tests.judge.test_binding import FLAGS, MODEL, _value
@@ -109,8 +111,89 @@ def test_the_recorders_lines_read_without_json_read_as_json_reads_them(tmp_path)
             reference.add(*parse_prefix_record(json.loads(line)))
         except (ValueError, Malformed):
             reference.skipped += 1
-    assert (read.digests, read.blocks, read.conflicts, read.records, read.skipped) == \
-        (reference.digests, reference.blocks, reference.conflicts, reference.records, reference.skipped)
+    every = {h.lower() for line in lines if line.startswith("{") for h in [json.loads(line)["hash"]]}
+    assert {(h, region): read.get(h, region) for h in every for region in ("conv", "v")} == \
+        {(h, region): reference.get(h, region) for h in every for region in ("conv", "v")}
+    assert (read.conflicts, read.records, read.skipped, len(read)) == \
+        (reference.conflicts, reference.records, reference.skipped, len(reference))
     assert read.conflicts == {h} and read.skipped == 4 and read.records == 7
     assert read.get("EF" * 32, "v") == PrefixDigest(3, prefix_digest([8, 9, 10]))
     assert read.get("abc") == PrefixDigest(3, d) and read.get("9A" * 32) == PrefixDigest(3, d[:8])
+
+
+def test_the_batch_check_decides_every_key_as_the_key_by_key_check_does():
+    """`check_prefixes` (a packed record's digest compared at once) flags, passes and counts exactly the
+    keys `check_prefix` does: healthy, swapped, no record, a hash in capitals, an odd or non-hex hash
+    recorded as text, a window longer than the rows, shared images, a digest not of 16 digits, for a
+    conv window and an attention block's first tokens."""
+    from audit.judge.prefixes import check_prefixes
+
+    records = PrefixRecords()
+    records.add("ab" * 32, PrefixDigest(3, prefix_digest([1, 2, 3])), PrefixDigest(2, prefix_digest([1, 2])))
+    records.add("cd" * 32, PrefixDigest(3, prefix_digest([7, 8, 9])), PrefixDigest(2, prefix_digest([7, 8])))
+    records.add("abc", PrefixDigest(3, prefix_digest([1, 2, 3])))
+    records.add("ef" * 32, PrefixDigest(4, prefix_digest([0, 1, 2, 3])))
+    records.add("12" * 32, PrefixDigest(3, prefix_digest([1, 5, 3])))
+    records.add("34" * 32, PrefixDigest(3, "0123"))
+    cases = [("ab" * 32, [1, 2, 3]), ("cd" * 32, [1, 2, 3]), ("56" * 32, [1, 2, 3]), ("AB" * 32, [1, 2, 3]),
+             ("CD" * 32, [7, 8, 9]), ("abc", [1, 2, 3]), ("abc", [1, 2, 4]), ("ef" * 32, [1, 2, 3]),
+             ("12" * 32, [1, 3, 3]), ("12" * 32, [1, 4, 3]), ("34" * 32, [1, 2, 3]), ("zz", [1, 2, 3])]
+    flagged_of = {"conv": [1, 6, 9, 10], "v": [1]}  # cases' indices; "ef" (4 tokens > 3 rows): not compared
+    for region in ("conv", "v"):
+        images = SimpleNamespace(twins={3: np.array([3, 5]), 5: np.array([3, 5])}, region=region)
+        one_by_one = [KeyRecord(key=vllm_key(MODEL, h), size=0, fields=None) for h, _ in cases]
+        batched = [KeyRecord(key=vllm_key(MODEL, h), size=0, fields=None) for h, _ in cases]
+        rows = [np.array(tokens) for _, tokens in cases]
+        expected = sum(check_prefix(r, t, images, records) is not None for r, t in zip(one_by_one, rows))
+        assert check_prefixes(batched, rows, images, records) == expected
+        assert [(r.verdicts, r.evidence) for r in batched] == [(r.verdicts, r.evidence) for r in one_by_one]
+        assert [i for i, r in enumerate(batched) if r.verdicts] == flagged_of[region]
+        assert expected == {"conv": 9, "v": 4}[region]
+
+
+def test_the_sorted_tables_answer_as_a_dict_of_the_same_lines_does(tmp_path):
+    """`read_prefix_records` (sorted tables, looked up a batch at a time) against a `PrefixRecords` fed
+    the same lines through the JSON parser, on 3,000 lines over three files: hashes of two lengths, in
+    capitals, repeated, recorded again with another digest (in either region), text and odd hashes,
+    digests not of 16 digits, JSON spellings the recorder does not write; every hash asked for, one
+    at a time and as a batch."""
+    from audit.prefixrecords import hash_key, parse_prefix_record
+
+    rng = np.random.default_rng(53)
+    pool = [f"{rng.integers(1 << 62):016x}" * k for k in (4, 2) for _ in range(300)]  # 32- and 16-byte hashes
+    pool += ["abc", "text-hash", "00" * 32]
+
+    def digest() -> str:
+        return str(rng.choice([prefix_digest(rng.integers(0, 9, 3).tolist()), prefix_digest([1]), "ABCDEF0123456789",
+                               "12ab"], p=[0.85, 0.05, 0.05, 0.05]))
+
+    recorded = {h: (f',"window":{rng.integers(1, 4)},"digest":"{digest()}"',
+                    f',"kv_window":{rng.integers(1, 17)},"kv_digest":"{digest()}"') for h in pool}
+    lines = []
+    for _ in range(3000):
+        h = str(rng.choice(pool))
+        conv, kv = recorded[h] if rng.random() < 0.98 else (f',"window":3,"digest":"{digest()}"',
+                                                             f',"kv_window":16,"kv_digest":"{digest()}"')
+        h = h.upper() if rng.random() < 0.1 else h
+        conv = conv if rng.random() < 0.8 else ""
+        kv = kv if not conv or rng.random() < 0.3 else ""
+        line = f'{{"v":2,"hash":"{h}"{conv}{kv}}}' if kv or rng.random() < 0.5 else f'{{"hash":"{h}"{conv}}}'
+        line = line.replace(",", ", ") if rng.random() < 0.05 else line
+        lines.append(line if rng.random() > 0.02 else str(rng.choice(['{"hash": 3}', line[:-1], line.replace(":1,", ":0,")])))
+    for n, part in enumerate(np.array_split(np.array(lines, dtype=object), 3)):
+        (tmp_path / f"prefixes-h-{n}-0000.jsonl").write_text("\n".join(part) + "\n")
+    read = read_prefix_records([tmp_path])
+    reference = PrefixRecords()
+    for line in lines:
+        try:
+            reference.add(*parse_prefix_record(json.loads(line)))
+        except (ValueError, Malformed):
+            reference.skipped += 1
+    assert 10 < len(read.conflicts) < 100 and len(read) > 500 and read.skipped > 10  # (what the lines were made to hold)
+    assert (read.conflicts, read.records, read.skipped, len(read)) == \
+        (reference.conflicts, reference.records, reference.skipped, len(reference))
+    asked = [h for h in pool] + [h.upper() for h in pool] + ["ff" * 32, "notthere"]
+    for region in ("conv", "v"):
+        assert [read.get(h, region) for h in asked] == [reference.get(h, region) for h in asked]
+        keys = [hash_key(h) if isinstance(hash_key(h), bytes) else None for h in asked]
+        assert read.packed_many(keys, region) == reference.packed_many(keys, region)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from audit.prefixrecords import PrefixDigest, prefix_digest, read_prefix_records
+from audit.prefixrecords import PrefixDigest, prefix_digest
+from audit.prefixtable import read_prefix_records
 from audit.recorder.prefixes import PrefixRecorder, conv_window
 from audit.recorder.records import RecordWriter
 
