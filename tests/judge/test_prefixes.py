@@ -151,17 +151,22 @@ def test_the_batch_check_decides_every_key_as_the_key_by_key_check_does():
         assert expected == {"conv": 9, "v": 4}[region]
 
 
-def test_the_sorted_tables_answer_as_a_dict_of_the_same_lines_does(tmp_path):
-    """`read_prefix_records` (sorted tables, looked up a batch at a time) against a `PrefixRecords` fed
-    the same lines through the JSON parser, on 3,000 lines over three files: hashes of two lengths, in
-    capitals, repeated, recorded again with another digest (in either region), text and odd hashes,
-    digests not of 16 digits, JSON spellings the recorder does not write; every hash asked for, one
+def test_the_sorted_tables_answer_as_a_dict_of_the_same_lines_does(tmp_path, monkeypatch):
+    """`read_prefix_records` (whole pieces of a file decoded a shape of line at a time into sorted
+    tables, looked up a batch at a time) against a `PrefixRecords` fed the same lines through the
+    JSON parser, on 3,000 lines over four files read 4 KiB at a time: hashes of two lengths, in
+    capitals, repeated, recorded again with another digest (in either region), text, odd and
+    non-ASCII hashes, digests not of 16 digits, JSON spellings the recorder does not write, broken
+    lines, blank lines, a file in CRLF, a last line without its newline; every hash asked for, one
     at a time and as a batch."""
+    import audit.prefixtable
     from audit.prefixrecords import hash_key, parse_prefix_record
+
+    monkeypatch.setattr(audit.prefixtable, "PIECE_BYTES", 4096)
 
     rng = np.random.default_rng(53)
     pool = [f"{rng.integers(1 << 62):016x}" * k for k in (4, 2) for _ in range(300)]  # 32- and 16-byte hashes
-    pool += ["abc", "text-hash", "00" * 32]
+    pool += [f"{i:064x}" for i in range(1, 41)] + ["abc", "text-hash", "00" * 32, "caf\u00e9"]  # (40 share a first 8 bytes)
 
     def digest() -> str:
         return str(rng.choice([prefix_digest(rng.integers(0, 9, 3).tolist()), prefix_digest([1]), "ABCDEF0123456789",
@@ -180,8 +185,9 @@ def test_the_sorted_tables_answer_as_a_dict_of_the_same_lines_does(tmp_path):
         line = f'{{"v":2,"hash":"{h}"{conv}{kv}}}' if kv or rng.random() < 0.5 else f'{{"hash":"{h}"{conv}}}'
         line = line.replace(",", ", ") if rng.random() < 0.05 else line
         lines.append(line if rng.random() > 0.02 else str(rng.choice(['{"hash": 3}', line[:-1], line.replace(":1,", ":0,")])))
-    for n, part in enumerate(np.array_split(np.array(lines, dtype=object), 3)):
-        (tmp_path / f"prefixes-h-{n}-0000.jsonl").write_text("\n".join(part) + "\n")
+    parts = np.array_split(np.array(lines, dtype=object), 4)
+    for n, (part, (newline, last)) in enumerate(zip(parts, [("\n", "\n"), ("\r\n", "\r\n"), ("\n\n", ""), ("\n", "")])):
+        (tmp_path / f"prefixes-h-{n}-0000.jsonl").write_bytes((newline.join(part) + last).encode())
     read = read_prefix_records([tmp_path])
     reference = PrefixRecords()
     for line in lines:
