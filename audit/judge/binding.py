@@ -189,22 +189,23 @@ def _stacked_conv_rows(judged: list[int], records, values, readings, bindings: B
     of (images, record indices, rows (keys, rows, columns)); and the record indices left to read one
     at a time (attention pages, whose rows depend on each key's record; GPU tensors; a width that
     does not fit the images, which `_readings` reports)."""
-    sharded: dict[tuple, bool] = {}  # (the key's readings, its size) -> whether its rank matters
-    firsts: dict[tuple, tuple] = {}  # (the key's readings, its size, its rank) -> (images, region) or None
-    groups: dict[tuple, list] = {}
+    groups: dict[tuple, list] = {}  # (id(images), id(region)) -> [images, region, record indices]
+    members_of: dict[tuple, object] = {}  # (the key's readings, its size[, its rank]) -> its group's indices
     one_by_one = []
     for i in judged:
         record, layouts = records[i], readings[i]
         ident = (*map(id, layouts), record.size)
-        if (by_rank := sharded.get(ident)) is None:
-            by_rank = sharded[ident] = any(layout.tp_size > 1 for layout in layouts)
-        rank = record.parsed_fields().get("tp_rank", 0) if by_rank else 0
-        if (first := firsts.get(reading := (*ident, rank), firsts)) is firsts:
-            first = firsts[reading] = _first_conv_reading(record.size, rank, layouts, bindings)
-        if first is None or not isinstance(values[i], np.ndarray):
+        if (found := members_of.get(ident, _UNSEEN)) is _UNSEEN:  # the rank matters where a layout is split
+            found = members_of[ident] = _RANKED if any(layout.tp_size > 1 for layout in layouts) \
+                else _members(groups, record.size, 0, layouts, bindings)
+        if found is _RANKED:
+            rank = record.parsed_fields().get("tp_rank", 0)
+            if (found := members_of.get(ranked := (*ident, rank), _UNSEEN)) is _UNSEEN:
+                found = members_of[ranked] = _members(groups, record.size, rank, layouts, bindings)
+        if found is None or not isinstance(values[i], np.ndarray):
             one_by_one.append(i)
         else:
-            groups.setdefault((id(first[0]), id(first[1])), [*first, []])[2].append(i)
+            found.append(i)
     stacked = []
     for images, region, members in groups.values():
         data = np.concatenate([values[i][region.offset:region.offset + region.length] for i in members])
@@ -214,6 +215,16 @@ def _stacked_conv_rows(judged: list[int], records, values, readings, bindings: B
         rows = numbers.reshape(len(members), *region.shape).astype(np.float32)
         stacked.append((images, members, rows if region.shape[0] <= region.shape[1] else rows.transpose(0, 2, 1)))
     return stacked, one_by_one
+
+
+_UNSEEN, _RANKED = object(), object()  # (markers: a reading not met yet; one whose group depends on the rank)
+
+
+def _members(groups: dict[tuple, list], size: int, rank: int, layouts, bindings: Bindings) -> list | None:
+    """The indices of `groups`' group for the first reading of a key of `size`, `rank` and `layouts`
+    (`_first_conv_reading`); None where it is not a stacked conv state."""
+    first = _first_conv_reading(size, rank, layouts, bindings)
+    return None if first is None else groups.setdefault((id(first[0]), id(first[1])), [*first, []])[2]
 
 
 def _first_conv_reading(size: int, rank: int, layouts, bindings: Bindings) -> tuple | None:
