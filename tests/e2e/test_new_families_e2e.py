@@ -223,14 +223,19 @@ def test_mla_at_tp2_every_rank_puts_its_share_of_tp_rank0_keys(session, models_d
 
 def test_a_float32_ssm_doubles_the_hybrids_block_and_the_prompts_follow_it(session, models_dir):
     """What an avx512_bf16 CPU does by itself, asked for here on any CPU: the ssm state in float32, a
-    larger padded page, a larger block; prompts sized in blocks still end one boundary chunk each."""
+    larger padded page, a larger block; prompts sized in blocks still end one boundary chunk each.
+    On such a CPU the run as shipped is that run already (vLLM says so in its log): both alike."""
     shipped = produced(session, models_dir, "olmo-hybrid-tp1")
     fp32 = produced(session, models_dir, "olmo-hybrid-ssm-fp32-tp1")
     assert fp32.run.vllm["mamba_ssm_cache_dtype"] == "float32", fp32.run.vllm
-    assert fp32.run.vllm["block_size"] > shipped.run.vllm["block_size"], (fp32.run.vllm, shipped.run.vllm)
     for run in (shipped, fp32):
         block = run.run.vllm["block_size"]
         assert [len(p) for p in run.run.prompts[0]] == [block + 72] * run.case.prompts
+    if any("Reset SSM cache type to float32" in line for line in shipped.run.log_lines):  # this CPU's own choice
+        assert fp32.run.vllm["block_size"] == shipped.run.vllm["block_size"], (fp32.run.vllm, shipped.run.vllm)
+        assert set(fp32.sizes.values()) == set(shipped.sizes.values())
+        return
+    assert fp32.run.vllm["block_size"] > shipped.run.vllm["block_size"], (fp32.run.vllm, shipped.run.vllm)
     assert min(fp32.sizes.values()) > max(shipped.sizes.values())
 
 
