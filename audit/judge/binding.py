@@ -128,7 +128,8 @@ def layer0_region(layout, kind: str | None = None):
     return None
 
 
-def bind_values(records: list[KeyRecord], values: list, readings: list, bindings: Bindings) -> None:
+def bind_values(records: list[KeyRecord], values: list, readings: list, bindings: Bindings,
+                placed: tuple[np.ndarray, list[int]] | None = None) -> None:
     """WEIGHTS_MISMATCH on each record whose value's (``values[i]``: its bytes, or None when unread)
     layer-0 token rows (conv rows, or attention's V: `layer0_region`) are not all images of tokens
     under its model's weights, under any of its readings (``readings[i]``: the layouts it may be read
@@ -137,13 +138,15 @@ def bind_values(records: list[KeyRecord], values: list, readings: list, bindings
     decoded at once, per (model, TP size, rank): every value's first reading (conv states of one
     layout stacked and decoded as one array: binding's cost a key stays a few microseconds), then the
     next reading of the values none has bound yet (a wrong reading's rows go the long way, a search of
-    the whole vocabulary, so a healthy value is never read twice)."""
+    the whole vocabulary, so a healthy value is never read twice). `placed`: the host buffer every
+    value in host memory lies in, and each one's offset in it (a fetched batch's), so that a stack
+    of conv rows is one gather from it."""
     judged = [i for i, (record, value, layouts) in enumerate(zip(records, values, readings))
               if value is not None and layouts and not _ALREADY_FLAGGED.intersection(record.verdicts)]
     tried: dict[int, list] = {}  # record index -> (images, tokens, distances), one per reading decoded
     decoded: Counter = Counter()  # keys decoded, per model
     of_prefix: list[tuple] = []  # (images, records bound, their tokens), each compared with its prefix record
-    stacked, one_by_one = _stacked_conv_rows(judged, records, values, readings, bindings)
+    stacked, one_by_one = _stacked_conv_rows(judged, records, values, readings, bindings, placed)
     later_of = {i: _readings(records[i], values[i], readings[i], bindings) for i in one_by_one}
     for images, members, rows in stacked:
         tokens, distances = nearest_tokens(rows.reshape(-1, images.columns), images)
@@ -184,7 +187,8 @@ def bind_values(records: list[KeyRecord], values: list, readings: list, bindings
     bindings.count(decoded, checked)
 
 
-def _stacked_conv_rows(judged: list[int], records, values, readings, bindings: Bindings) -> tuple[list, list]:
+def _stacked_conv_rows(judged: list[int], records, values, readings, bindings: Bindings,
+                       placed: tuple[np.ndarray, list[int]] | None) -> tuple[list, list]:
     """The first readings that are conv states in host memory, stacked per (images, region): a list
     of (images, record indices, rows (keys, rows, columns)); and the record indices left to read one
     at a time (attention pages, whose rows depend on each key's record; GPU tensors; a width that
@@ -208,13 +212,27 @@ def _stacked_conv_rows(judged: list[int], records, values, readings, bindings: B
             found.append(i)
     stacked = []
     for images, region, members in groups.values():
-        data = np.concatenate([values[i][region.offset:region.offset + region.length] for i in members])
+        data = None if placed is None else _evenly_placed(*placed, members, region)
+        if data is None:
+            data = np.concatenate([values[i][region.offset:region.offset + region.length] for i in members])
         numbers = decode_floats(data, region.dtype)
         if numbers is None:
             continue
         rows = numbers.reshape(len(members), *region.shape).astype(np.float32)
         stacked.append((images, members, rows if region.shape[0] <= region.shape[1] else rows.transpose(0, 2, 1)))
     return stacked, one_by_one
+
+
+def _evenly_placed(buffer: np.ndarray, offsets: list[int], members: list[int], region) -> np.ndarray | None:
+    """The members' `region` bytes, one after another, where their values lie in `buffer` a fixed
+    step apart (a batch of keys of one size, as a rule): one strided copy; None otherwise."""
+    starts = [offsets[i] + region.offset for i in members]
+    step = starts[1] - starts[0] if len(starts) > 1 else region.length
+    if step < region.length or starts[-1] + region.length > len(buffer) \
+            or (len(starts) > 2 and (np.diff(starts) != step).any()):
+        return None
+    view = np.lib.stride_tricks.as_strided(buffer[starts[0]:], (len(starts), region.length), (step, 1), writeable=False)
+    return view.reshape(-1)
 
 
 _UNSEEN, _RANKED = object(), object()  # (markers: a reading not met yet; one whose group depends on the rank)

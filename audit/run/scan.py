@@ -50,8 +50,10 @@ def check_batch(batch: FetchedBatch, checker, plan: CheckPlan, evidence=None) ->
             values = [None] * len(records)
             for i in readable:
                 values[i] = batch.view(batch.slots[i], batch.slots[i].key.size)
+            placed = (batch.buffer.array, [slot.offset for slot in batch.slots]) \
+                if isinstance(batch.buffer.array, np.ndarray) else None
             bind_values(records, values, [readings.get(i) or ((layouts[i],) if layouts[i] is not None else ())
-                                          for i in range(len(records))], plan.bindings)
+                                          for i in range(len(records))], plan.bindings, placed)
             if plan.bindings.producers is not None:  # keys put by a producer that loaded other weights
                 plan.bindings.producers.flag(records, plan.tables)
         if batch.replicas is not None:  # a peek read: every replica's digest

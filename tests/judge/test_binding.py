@@ -222,3 +222,21 @@ def test_a_model_none_of_whose_keys_were_decoded_at_layer_0_is_not_bound(tmp_pat
     judge(state, _value(state, token_images(ours, MODEL, 1, 0).images([1, 2, 3]), rng))
     summary = bindings.summary()
     assert (summary["bound"], summary["not_bound"], summary["keys_decoded"]) == ([MODEL], {}, {MODEL: 1})
+
+
+def test_a_batchs_conv_rows_are_one_strided_copy_only_where_its_values_lie_evenly():
+    """`_evenly_placed`: values a fixed step apart in the batch's buffer give their region's bytes as
+    slicing each value would; values placed otherwise, or a region past the buffer, give None (sliced)."""
+    from types import SimpleNamespace
+
+    from audit.judge.binding import _evenly_placed
+
+    buffer = np.arange(4096, dtype=np.uint64).view(np.uint8)[:30000]
+    region = SimpleNamespace(offset=40, length=96)
+    offsets = [0, 1024, 2048, 3072, 4096, 9000]
+    sliced = np.concatenate([buffer[offsets[i] + 40:offsets[i] + 136] for i in (1, 2, 3, 4)])
+    assert np.array_equal(_evenly_placed(buffer, offsets, [1, 2, 3, 4], region), sliced)
+    assert np.array_equal(_evenly_placed(buffer, offsets, [5], region), buffer[9040:9136])
+    assert _evenly_placed(buffer, offsets, [0, 1, 5], region) is None          # not a fixed step
+    assert _evenly_placed(buffer, [0, 50], [0, 1], region) is None             # regions would overlap
+    assert _evenly_placed(buffer, [0, 29950], [1], region) is None              # past the buffer's end
