@@ -197,14 +197,14 @@ def parse_prefix_record(record: dict) -> tuple[str, PrefixDigest | None, PrefixD
 # The recorder's own lines (`prefix_line`), read without a JSON parser: a million records a scan.
 # Each reads as json.loads would read it (lowercase hex, no escapes, positive integers); any other
 # line takes the JSON path.
-_RECORDER_LINE = re.compile(r'\{(?:"v":2,)?"hash":"([0-9a-f]+)"(?:,"window":([1-9][0-9]{0,8}),'
+RECORDER_LINE = re.compile(r'\{(?:"v":2,)?"hash":"([0-9a-f]+)"(?:,"window":([1-9][0-9]{0,8}),'
                             r'"digest":"([0-9a-f]{16})")?(?:,"kv_window":([1-9][0-9]{0,8}),"kv_digest":"([0-9a-f]{16})")?\}\s*')
 
 
 def recorder_line(line: str) -> tuple | None:
     """(its `hash_key`, hash, packed conv window, packed KV block) of a line as the recorder writes
     it; None otherwise."""
-    found = _RECORDER_LINE.fullmatch(line)
+    found = RECORDER_LINE.fullmatch(line)
     if found is None:
         return None
     chunk_hash, window, digest, kv_window, kv_digest = found.groups()

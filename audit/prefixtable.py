@@ -3,8 +3,8 @@ every record of a hex chunk hash in sorted arrays, looked up a batch of keys at 
 
 A million keys' records held in a dict cost 157 bytes a hash and a dict lookup a key whose memory
 misses the caches (the table is the store's size, the listing's order is not the records'); here a
-32-byte hash costs 44 bytes (the hash, its digest, its window) and a batch's lookups are one
-`searchsorted`. Records that no table holds (a text hash, a digest not of 16 hex digits) stay in a
+32-byte hash costs 52 bytes (the hash, its digest, its window, its first 8 bytes as a number) and a
+batch's lookups are a few array operations (`HashTable.rows`). Records that no table holds (a text hash, a digest not of 16 hex digits) stay in a
 `PrefixRecords`, and every answer is the one a `PrefixRecords` of the same lines would give:
 duplicates kept once, a hash recorded with two digests in `conflicts` and claimed by neither.
 """
@@ -20,9 +20,9 @@ import numpy as np
 
 from audit.errors import AuditError
 from audit.prefixrecords import (
-    _RECORDER_LINE,
     CONV,
     KV,
+    RECORDER_LINE,
     PrefixDigest,
     PrefixRecords,
     hash_key,
@@ -325,7 +325,7 @@ def _shapes(piece: bytes, first: int, collected: dict[tuple[str, int], _Collecte
             rows = buf[:len(lines) * (length + 1)].reshape(len(lines), length + 1)[:, :length]
         else:
             rows = buf[starts[lines][:, None] + np.arange(length)]  # (lines, length)
-        found = _RECORDER_LINE.fullmatch(template := piece[starts[lines[0]]:ends[lines[0]]].decode())
+        found = RECORDER_LINE.fullmatch(template := piece[starts[lines[0]]:ends[lines[0]]].decode())
         if found is None or recorder_line(template) is None:  # each line of this shape is looked at alone
             others += _texts(piece, starts, ends, lines, first)
             continue
