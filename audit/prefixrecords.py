@@ -35,7 +35,6 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from audit.producers.vllm import is_hex
 from audit.recordfiles import Malformed
 
 PREFIX_RECORD_PREFIX = "prefixes-"
@@ -57,7 +56,12 @@ def token_bytes(tokens) -> memoryview:
 def digest_value(tokens) -> int:
     """The digest of `tokens`, oldest first, as an integer (the recorder's, the guards' and the scan's:
     one function, over `token_bytes`)."""
-    return xxhash.xxh3_64_intdigest(token_bytes(tokens))
+    return encoded_digest(token_bytes(tokens))
+
+
+def encoded_digest(encoded) -> int:
+    """`digest_value` of tokens already `token_bytes` (a slice of a batch's: no copy)."""
+    return xxhash.xxh3_64_intdigest(encoded)
 
 
 def prefix_digest(tokens: Sequence[int]) -> str:
@@ -92,8 +96,13 @@ _DIGEST = re.compile(r"[0-9a-f]{16}")
 
 def hash_key(chunk_hash: str) -> bytes | str:
     """A chunk hash as the tables keep it: a hex hash (vLLM's ``block_hash.hex()``) as its bytes,
-    half its text's memory at a million hashes; anything else as its text."""
-    return bytes.fromhex(chunk_hash) if len(chunk_hash) % 2 == 0 and is_hex(chunk_hash) else chunk_hash.lower()
+    half its text's memory at a million hashes; anything else as its text, lowercase. (`fromhex`
+    passes over whitespace and refuses anything else but hex digits: two digits a byte is hex.)"""
+    try:
+        hashed = bytes.fromhex(chunk_hash)
+    except ValueError:
+        hashed = b""
+    return hashed if hashed and len(hashed) * 2 == len(chunk_hash) else chunk_hash.lower()
 
 
 def _packed(entry: PrefixDigest) -> int | PrefixDigest:

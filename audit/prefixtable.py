@@ -4,8 +4,8 @@ every record of a hex chunk hash in sorted arrays, looked up a batch of keys at 
 A million keys' records held in a dict cost 157 bytes a hash and a dict lookup a key whose memory
 misses the caches (the table is the store's size, the listing's order is not the records'); here a
 32-byte hash costs 52 bytes (the hash, its digest, its window, its first 8 bytes as a number) and a
-batch's lookups are a few array operations (`HashTable.rows`). Records that no table holds (a text hash, a digest not of 16 hex digits) stay in a
-`PrefixRecords`, and every answer is the one a `PrefixRecords` of the same lines would give:
+batch's lookups are a few array operations (`HashTable.rows`). Records that no table holds (a text
+hash, a digest not of 16 hex digits) stay in a `PrefixRecords`, and every answer is the one a `PrefixRecords` of the same lines would give:
 duplicates kept once, a hash recorded with two digests in `conflicts` and claimed by neither.
 """
 
@@ -65,6 +65,12 @@ class HashTable:
             found[shared] = at[shared] >= 0
         return np.where(found, at, -1)
 
+    def row(self, key: bytes) -> int:
+        """`rows` of one hash, by one binary search (a key at a time: an attention page's block, a
+        key the batch did not settle; `rows`' array operations cost more than they save for one)."""
+        at = int(np.searchsorted(self.hashes, key))
+        return at if at < len(self.hashes) and self.hashes[at:at + 1].tobytes() == key else -1
+
 
 def _leads(hashes: np.ndarray) -> np.ndarray:
     """Each S{length} hash's first 8 bytes (zeros after a shorter one's) as a number: in the hashes' order."""
@@ -106,7 +112,8 @@ class _Collected:
     def extend(self, hashes: np.ndarray, digests: np.ndarray, windows: np.ndarray) -> None:
         """Many records at once: hashes S{length}, digests, windows (a part of their own)."""
         self._seal()
-        self.parts.append((hashes, digests.astype(np.uint64), windows.astype(f"u{self.windows.itemsize}")))
+        self.parts.append((hashes, digests.astype(np.uint64, copy=False),
+                           windows.astype(f"u{self.windows.itemsize}", copy=False)))
 
     def _seal(self) -> None:
         if not self.digests:
@@ -187,7 +194,10 @@ class PrefixTable:
 
     def packed(self, chunk_hash: str, region: str = CONV) -> int | PrefixDigest | None:
         key = hash_key(chunk_hash)
-        return self.packed_many([key], region)[0] if isinstance(key, bytes) else self.rest.packed(chunk_hash, region)
+        table = self.tables.get((region, len(key))) if isinstance(key, bytes) else None
+        if table is not None and (row := table.row(key)) >= 0:
+            return int(table.digests[row]) << 32 | int(table.windows[row])
+        return self.rest.packed(chunk_hash, region)  # (a hash is in a table or here, never both)
 
     def packed_many(self, keys: list[bytes | None], region: str = CONV) -> list:
         """`packed` of each hex hash given as its bytes (None: no record)."""

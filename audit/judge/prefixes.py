@@ -12,7 +12,6 @@ import itertools
 import math
 
 import numpy as np
-import xxhash
 
 from audit.prefixrecords import (
     CONV,
@@ -20,6 +19,8 @@ from audit.prefixrecords import (
     KV,
     PrefixDigest,
     PrefixRecords,
+    encoded_digest,
+    hash_key,
     prefix_digest,
     token_bytes,
 )
@@ -86,21 +87,18 @@ def check_prefixes(records: list[KeyRecord], token_rows, images, prefixes: Prefi
         encoded = [whole[start:start + width] for start in range(0, len(whole), width)]
     else:
         encoded = [token_bytes(tokens) for tokens in token_rows]
-    hashed = []  # each key's hex hash as the tables keep it (`hash_key`), None for any other key
+    hashed = []  # each key's hex hash as the tables keep it, None for any other key
     for record in records:
         stem, _, chunk_hash = record.key.rpartition("@")
-        try:
-            key = bytes.fromhex(chunk_hash)
-        except ValueError:
-            key = None
-        hashed.append(key if stem and key and len(key) * 2 == len(chunk_hash) else None)
+        key = hash_key(chunk_hash) if stem else None
+        hashed.append(key if isinstance(key, bytes) else None)
     checked = 0
     for j, (record, raw, key, packed) in enumerate(zip(records, encoded, hashed, prefixes.packed_many(hashed, region))):
         if key is not None and packed is None:
             continue  # a hex hash without a record: nothing to compare
         if isinstance(packed, int) and (window := (packed & 0xFFFFFFFF) * 8) <= len(raw):
             chosen = raw[len(raw) - window:] if region == CONV else raw[:window]
-            if xxhash.xxh3_64_intdigest(chosen) == packed >> 32:  # (`digest_value` of those tokens)
+            if encoded_digest(chosen) == packed >> 32:
                 checked += 1
                 continue
         checked += check_prefix(record, token_rows[j], images, prefixes) is not None
