@@ -17,6 +17,7 @@ from audit.layouts.images import sign_codes
 ROW_TOLERANCE = 0.05
 CANDIDATES = 8  # tokens a row far from its probe-nearest token is compared with on every column
 SHARED_CODE = 8  # a code shared by more tokens than this sends the row to the search
+FLIPPED_BITS = 2  # a row's codes tried with its probe columns nearest their centers flipped, one at a time
 _TINY = np.finfo(np.float32).tiny  # an image's squared norm is never divided by less
 
 
@@ -61,41 +62,63 @@ def _nearest(checked: np.ndarray, probed: np.ndarray, images) -> tuple[np.ndarra
 
 
 def _searched(checked: np.ndarray, probed: np.ndarray, images) -> tuple[np.ndarray, np.ndarray]:
-    """Rows their code's first token is not near: every token sharing the code, then the
-    vocabulary on the probe columns, then that search's next nearest candidates."""
-    centers, codes, order = images.probe_signs
+    """Rows their code's first token is not near: every token sharing the code, then sharing it with
+    the bit of one of the row's probe columns nearest their centers flipped (a rounding moves a
+    column across its center now and then), then the whole vocabulary (`_searched_vocabulary`)."""
+    centers, _, _ = images.probe_signs
     row_codes = sign_codes(probed, centers)
-    first = np.searchsorted(codes, row_codes, side="left")
-    last = np.searchsorted(codes, row_codes, side="right")
-    looked_up = np.flatnonzero((last > first) & (last - first <= SHARED_CODE))
     tokens = np.zeros(len(checked), dtype=np.int64)
     distances = np.full(len(checked), np.inf, dtype=np.float32)
-    if len(looked_up):  # the tokens sharing the row's code, the last one repeated to fill the widest code's
-        width = int((last[looked_up] - first[looked_up]).max())
-        at = np.minimum(first[looked_up, None] + np.arange(width), last[looked_up, None] - 1)
-        candidates = order[at]
-        found = _distances(checked[looked_up], candidates, images)
-        best = found.argmin(axis=1)
-        tokens[looked_up] = candidates[np.arange(len(looked_up)), best]
-        distances[looked_up] = found[np.arange(len(looked_up)), best]
-    searched = np.flatnonzero(distances > ROW_TOLERANCE)
-    if len(searched):
-        # |row - image|^2 on the probe columns, up to the row's own constant
-        scores = probed[searched] @ images.probe.T
-        scores *= -2.0
-        scores += images.probe_squares
-        nearest = scores.argmin(axis=1)
-        found = _distances(checked[searched], nearest[:, None], images)[:, 0]
-        tokens[searched], distances[searched] = nearest, found
-        far = np.flatnonzero(found > ROW_TOLERANCE)
-        if len(far):
-            count = min(CANDIDATES, scores.shape[1])
-            candidates = np.argpartition(scores[far], count - 1, axis=1)[:, :count]
-            others = _distances(checked[searched[far]], candidates, images)
-            best = others.argmin(axis=1)
-            tokens[searched[far]] = candidates[np.arange(len(far)), best]
-            distances[searched[far]] = others[np.arange(len(far)), best]
+    flips = np.argsort(np.abs(probed - centers), axis=1)[:, :FLIPPED_BITS].astype(np.uint32)
+    for codes in (row_codes, *(row_codes ^ (np.uint32(1) << bit) for bit in flips.T)):
+        if len(open_rows := np.flatnonzero(distances > ROW_TOLERANCE)):
+            _looked_up(checked, codes, images, open_rows, tokens, distances)
+    if len(searched := np.flatnonzero(distances > ROW_TOLERANCE)):
+        _searched_vocabulary(checked, probed, images, searched, tokens, distances)
     return tokens, distances
+
+
+def _searched_vocabulary(checked: np.ndarray, probed: np.ndarray, images, rows: np.ndarray,
+                         tokens: np.ndarray, distances: np.ndarray) -> None:
+    """`rows`' nearest token on the probe columns over the whole vocabulary (one matrix product),
+    and where that is beyond the tolerance the nearest of its next candidates, into `tokens` and
+    `distances`: a row that is no image (other weights, garbage) comes here, a healthy one seldom."""
+    # |row - image|^2 on the probe columns, up to the row's own constant
+    scores = probed[rows] @ images.probe.T
+    scores *= -2.0
+    scores += images.probe_squares
+    nearest = scores.argmin(axis=1)
+    found = _distances(checked[rows], nearest[:, None], images)[:, 0]
+    tokens[rows], distances[rows] = nearest, found
+    far = np.flatnonzero(found > ROW_TOLERANCE)
+    if len(far):
+        count = min(CANDIDATES, scores.shape[1])
+        candidates = np.argpartition(scores[far], count - 1, axis=1)[:, :count]
+        others = _distances(checked[rows[far]], candidates, images)
+        best = others.argmin(axis=1)
+        tokens[rows[far]] = candidates[np.arange(len(far)), best]
+        distances[rows[far]] = others[np.arange(len(far)), best]
+
+
+def _looked_up(checked: np.ndarray, row_codes: np.ndarray, images, rows: np.ndarray,
+               tokens: np.ndarray, distances: np.ndarray) -> None:
+    """`rows`' nearest among the tokens of their code (`row_codes`), where a few tokens share it,
+    into `tokens` and `distances` where nearer than found so far."""
+    _, codes, order = images.probe_signs
+    first = np.searchsorted(codes, row_codes[rows], side="left")
+    last = np.searchsorted(codes, row_codes[rows], side="right")
+    shared = (last > first) & (last - first <= SHARED_CODE)
+    rows, first, last = rows[shared], first[shared], last[shared]
+    if not len(rows):
+        return
+    width = int((last - first).max())  # the tokens sharing each code, its last one repeated to fill the widest's
+    candidates = order[np.minimum(first[:, None] + np.arange(width), last[:, None] - 1)]
+    found = _distances(checked[rows], candidates, images)
+    best = found.argmin(axis=1)
+    nearer = found[np.arange(len(rows)), best] < distances[rows]
+    rows, best, candidates, found = rows[nearer], best[nearer], candidates[nearer], found[nearer]
+    tokens[rows] = candidates[np.arange(len(rows)), best]
+    distances[rows] = found[np.arange(len(rows)), best]
 
 
 def _distances(checked: np.ndarray, candidates: np.ndarray, images) -> np.ndarray:

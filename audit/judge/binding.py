@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -128,26 +128,39 @@ def layer0_region(layout, kind: str | None = None):
     return None
 
 
-def bind_values(records: list[KeyRecord], values: list, readings: list, bindings: Bindings,
-                placed: tuple[np.ndarray, list[int]] | None = None) -> None:
-    """WEIGHTS_MISMATCH on each record whose value's (``values[i]``: its bytes, or None when unread)
-    layer-0 token rows (conv rows, or attention's V: `layer0_region`) are not all images of tokens
+@dataclass(frozen=True)
+class Values:
+    """The values `bind_values` reads, by record index: which were read, and each one's bytes when
+    asked for (a fetched batch's view is made only for a key whose rows are not gathered from
+    `placed`). `placed`: the host buffer a fetched batch's values lie in, and each one's offset in
+    it, so that a stack of conv rows is one gather from it."""
+
+    read: list[int]
+    value: Callable[[int], object]
+    placed: tuple[np.ndarray, list[int]] | None = None
+
+    @classmethod
+    def listed(cls, values: list) -> Values:
+        """Values given as a list, None where unread."""
+        return cls([i for i, value in enumerate(values) if value is not None], values.__getitem__)
+
+
+def bind_values(records: list[KeyRecord], values: Values, readings: list, bindings: Bindings) -> None:
+    """WEIGHTS_MISMATCH on each record whose value's (`Values`) layer-0 token rows (conv rows, or attention's V: `layer0_region`) are not all images of tokens
     under its model's weights, under any of its readings (``readings[i]``: the layouts it may be read
     with, the one it is judged by first): a size that fits bfloat16 and float16 alike is bound under
     the reading that decodes to tokens, and flagged only when none does. The batch's rows are
     decoded at once, per (model, TP size, rank): every value's first reading (conv states of one
     layout stacked and decoded as one array: binding's cost a key stays a few microseconds), then the
     next reading of the values none has bound yet (a wrong reading's rows go the long way, a search of
-    the whole vocabulary, so a healthy value is never read twice). `placed`: the host buffer every
-    value in host memory lies in, and each one's offset in it (a fetched batch's), so that a stack
-    of conv rows is one gather from it."""
-    judged = [i for i, (record, value, layouts) in enumerate(zip(records, values, readings))
-              if value is not None and layouts and not _ALREADY_FLAGGED.intersection(record.verdicts)]
+    the whole vocabulary, so a healthy value is never read twice)."""
+    judged = [i for i in values.read if readings[i]
+              and not (records[i].verdicts and _ALREADY_FLAGGED.intersection(records[i].verdicts))]
     tried: dict[int, list] = {}  # record index -> (images, tokens, distances), one per reading decoded
     decoded: Counter = Counter()  # keys decoded, per model
     of_prefix: list[tuple] = []  # (images, records bound, their tokens), each compared with its prefix record
-    stacked, one_by_one = _stacked_conv_rows(judged, records, values, readings, bindings, placed)
-    later_of = {i: _readings(records[i], values[i], readings[i], bindings) for i in one_by_one}
+    stacked, one_by_one = _stacked_conv_rows(judged, records, values, readings, bindings)
+    later_of = {i: _readings(records[i], values.value(i), readings[i], bindings) for i in one_by_one}
     for images, members, rows in stacked:
         tokens, distances = nearest_tokens(rows.reshape(-1, images.columns), images)
         tokens, distances = tokens.reshape(len(members), -1), distances.reshape(len(members), -1)
@@ -158,7 +171,7 @@ def bind_values(records: list[KeyRecord], values: list, readings: list, bindings
         for j in np.flatnonzero(~binds).tolist():  # the first reading, decoded, does not bind:
             i = members[j]                         # the later ones are made one at a time
             tried[i] = [(images, tokens[j], distances[j])]
-            later_of[i] = itertools.islice(_readings(records[i], values[i], readings[i], bindings), 1, None)
+            later_of[i] = itertools.islice(_readings(records[i], values.value(i), readings[i], bindings), 1, None)
     pending = [(i, reading, later) for i, later in later_of.items() if (reading := next(later, None)) is not None]
     while pending:
         groups: dict[int, list] = {}
@@ -187,8 +200,8 @@ def bind_values(records: list[KeyRecord], values: list, readings: list, bindings
     bindings.count(decoded, checked)
 
 
-def _stacked_conv_rows(judged: list[int], records, values, readings, bindings: Bindings,
-                       placed: tuple[np.ndarray, list[int]] | None) -> tuple[list, list]:
+def _stacked_conv_rows(judged: list[int], records, values: Values, readings,
+                       bindings: Bindings) -> tuple[list, list]:
     """The first readings that are conv states in host memory, stacked per (images, region): a list
     of (images, record indices, rows (keys, rows, columns)); and the record indices left to read one
     at a time (attention pages, whose rows depend on each key's record; GPU tensors; a width that
@@ -206,15 +219,15 @@ def _stacked_conv_rows(judged: list[int], records, values, readings, bindings: B
             rank = record.parsed_fields().get("tp_rank", 0)
             if (found := members_of.get(ranked := (*ident, rank), _UNSEEN)) is _UNSEEN:
                 found = members_of[ranked] = _members(groups, record.size, rank, layouts, bindings)
-        if found is None or not isinstance(values[i], np.ndarray):
+        if found is None or (values.placed is None and not isinstance(values.value(i), np.ndarray)):
             one_by_one.append(i)
         else:
             found.append(i)
     stacked = []
     for images, region, members in groups.values():
-        data = None if placed is None else _evenly_placed(*placed, members, region)
+        data = None if values.placed is None else _evenly_placed(*values.placed, members, region)
         if data is None:
-            data = np.concatenate([values[i][region.offset:region.offset + region.length] for i in members])
+            data = np.concatenate([values.value(i)[region.offset:region.offset + region.length] for i in members])
         numbers = decode_floats(data, region.dtype)
         if numbers is None:
             continue

@@ -30,10 +30,10 @@ TABLE_BLOCK_ROWS = 8192  # vocabulary rows converted to float32 at a time while 
 
 def sign_codes(probed: np.ndarray, centers: np.ndarray) -> np.ndarray:
     """Each row's probe columns as bits: 1 where it is above that column's center."""
-    packed = np.packbits(probed > centers, axis=1, bitorder="little")  # column c: bit c
-    if packed.shape[1] != 4:
-        packed = np.pad(packed, ((0, 0), (0, 4 - packed.shape[1])))
-    return np.ascontiguousarray(packed).view("<u4")[:, 0]
+    bits = probed > centers
+    if bits.shape[1] != 32:
+        bits = np.pad(bits, ((0, 0), (0, 32 - bits.shape[1])))
+    return np.packbits(bits, bitorder="little").view("<u4")  # column c: bit c of its row's four bytes
 
 
 def cache_dir() -> Path:

@@ -16,7 +16,7 @@ import numpy as np
 
 from audit.producers import SCREEN_BYTES, describe_themselves
 from audit.readers.buffers import FetchedBatch, plan_batches
-from audit.judge.binding import bind_values
+from audit.judge.binding import Values, bind_values
 from audit.judge.key import judge_read, judge_readings
 from audit.judge.plan import CheckPlan
 from audit.judge.values import judge_reading, may_be_configured, model_configs, value_reading
@@ -47,13 +47,11 @@ def check_batch(batch: FetchedBatch, checker, plan: CheckPlan, evidence=None) ->
             records[i] = judge_readings(records[i], slot.key, batch.results[i], every_reading[i], layouts_of,
                                         plan.table_entry(slot.key))
         if plan.bindings is not None and plan.bindings.directories:  # the weights given: layer-0 binding
-            values = [None] * len(records)
-            for i in readable:
-                values[i] = batch.view(batch.slots[i], batch.slots[i].key.size)
             placed = (batch.buffer.array, [slot.offset for slot in batch.slots]) \
                 if isinstance(batch.buffer.array, np.ndarray) else None
+            values = Values(readable, lambda i: batch.view(batch.slots[i], batch.slots[i].key.size), placed)
             bind_values(records, values, [readings.get(i) or ((layouts[i],) if layouts[i] is not None else ())
-                                          for i in range(len(records))], plan.bindings, placed)
+                                          for i in range(len(records))], plan.bindings)
             if plan.bindings.producers is not None:  # keys put by a producer that loaded other weights
                 plan.bindings.producers.flag(records, plan.tables)
         if batch.replicas is not None:  # a peek read: every replica's digest

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+import audit.checks.binding
 from audit.checks.binding import ROW_TOLERANCE, nearest_tokens
+from audit.layouts.images import sign_codes
 from audit.layouts.weights import token_images
 from tests.helpers import tiny_mamba2_checkpoint
 
@@ -36,3 +38,25 @@ def test_rows_of_other_weights_are_far_from_every_image(tmp_path):
     ours, theirs = token_images(tmp_path / "m", "m", 1, 0), token_images(tmp_path / "other" / "m", "m", 1, 0)
     _, distances = nearest_tokens(theirs.images(list(range(32))), ours)
     assert distances.min() > ROW_TOLERANCE
+
+
+def test_a_row_rounded_across_a_probe_center_is_found_without_the_vocabulary_search(tmp_path, monkeypatch):
+    """A healthy row whose probe column nearest its center crossed it (rounding) has another code
+    than its image: the lookup tries that bit flipped before a search of the whole vocabulary (a
+    matrix product that cost a scan of a million keys 2 us a key in the few such rows)."""
+    tiny_mamba2_checkpoint(tmp_path / "m")
+    images = token_images(tmp_path / "m", "m", 1, 0)
+    centers, _, _ = images.probe_signs
+    margins = np.abs(images.probe - centers)
+    token = int(margins.min(axis=1).argmin())  # the token with a probe column nearest its center
+    column = int(margins[token].argmin())
+    row = images.images([token])
+    row[0, images.probe_columns[column]] = 2 * centers[column] - row[0, images.probe_columns[column]]  # mirrored
+    moved = row[:, images.check_columns][:, images.probe_index]
+    assert sign_codes(moved, centers)[0] != sign_codes(images.probe[token:token + 1], centers)[0]
+
+    def no_search(*args):
+        raise AssertionError("searched the vocabulary")
+    monkeypatch.setattr(audit.checks.binding, "_searched_vocabulary", no_search)
+    tokens, distances = nearest_tokens(row, images)
+    assert tokens.tolist() == [token] and distances[0] < ROW_TOLERANCE

@@ -72,7 +72,7 @@ def test_rows_of_other_weights_or_garbage_are_weights_mismatch(publisher, cli_ar
 def test_a_value_is_bound_under_the_reading_that_decodes_to_tokens(tmp_path):
     """A size that fits bfloat16 and float16 conv states alike: the healthy value binds under its
     own reading (the other decodes to nothing) and is not flagged; garbage binds under neither."""
-    from audit.judge.binding import Bindings, bind_values
+    from audit.judge.binding import Bindings, Values, bind_values
     from audit.judge.key import judge_read
     from audit.records import KeyInfo
 
@@ -90,7 +90,7 @@ def test_a_value_is_bound_under_the_reading_that_decodes_to_tokens(tmp_path):
     records = [judge_read(KeyInfo(f"{MODEL}@k{i}", readings[1].size), readings[1].size, None) for i in range(2)]
     for record in records:
         record.verdicts.clear()
-    bind_values(records, [np.frombuffer(bytes(value), np.uint8), np.frombuffer(garbage, np.uint8)],
+    bind_values(records, Values.listed([np.frombuffer(bytes(value), np.uint8), np.frombuffer(garbage, np.uint8)]),
                 [readings, readings], Bindings.of([ours]))
     assert records[0].verdicts == [] and records[1].verdicts == ["WEIGHTS_MISMATCH"]
 
@@ -111,7 +111,7 @@ def test_attention_values_are_bound_by_layer_0s_v_rows(tmp_path):
     """A Llama's layer-0 V rows are token images: a value of these weights binds (in the CPU
     backend's order, and in a token-major page), one of other weights or garbage is WEIGHTS_MISMATCH
     (evidence region "v"); a conv window's record says nothing of a KV block."""
-    from audit.judge.binding import Bindings, bind_values
+    from audit.judge.binding import Bindings, Values, bind_values
     from audit.judge.key import judge_read
     from audit.prefixrecords import PrefixDigest, PrefixRecords, prefix_digest
     from audit.records import KeyInfo
@@ -138,7 +138,7 @@ def test_attention_values_are_bound_by_layer_0s_v_rows(tmp_path):
     bindings = Bindings.of([ours])
     bindings.prefixes = PrefixRecords()  # a record no V row could match: not consulted
     bindings.prefixes.add(f"{0:064x}", PrefixDigest(3, prefix_digest([99, 99, 99])))
-    bind_values(records, values, [(layout,)] * len(values), bindings)
+    bind_values(records, Values.listed(values), [(layout,)] * len(values), bindings)
     assert [record.verdicts for record in records] == [[], [], ["WEIGHTS_MISMATCH"], ["WEIGHTS_MISMATCH"]]
     evidence = records[2].evidence["weights_mismatch"]
     assert evidence["region"] == "v" and len(evidence["rows"]) == 16
@@ -152,7 +152,7 @@ def test_an_attention_block_of_other_tokens_under_its_hash_is_prefix_mismatch(tm
     on the rows its record names (its later rows hold whatever the page held before: here no
     token's image, which without its record is WEIGHTS_MISMATCH); other weights stay
     WEIGHTS_MISMATCH; a block without a record is judged on its weights alone."""
-    from audit.judge.binding import Bindings, bind_values
+    from audit.judge.binding import Bindings, Values, bind_values
     from audit.judge.key import judge_read
     from audit.prefixrecords import PrefixRecords, parse_prefix_record, prefix_line
     from audit.records import KeyInfo
@@ -179,13 +179,13 @@ def test_an_attention_block_of_other_tokens_under_its_hash_is_prefix_mismatch(tm
     bindings.prefixes = PrefixRecords()
     for chunk_hash, tokens in zip(hashes[:4], (blocks[0], blocks[1], blocks[2][:5], blocks[3])):
         bindings.prefixes.add(*parse_prefix_record(json.loads(prefix_line(chunk_hash, None, None, list(tokens)))))
-    bind_values(records, values, [(layout,)] * len(values), bindings)
+    bind_values(records, Values.listed(values), [(layout,)] * len(values), bindings)
     assert [record.verdicts for record in records] == [[], ["PREFIX_MISMATCH"], [], ["WEIGHTS_MISMATCH"], []]
     evidence = records[1].evidence["prefix_mismatch"]
     assert evidence["region"] == "v" and evidence["window"] == 16 and evidence["chunk_hash"] == hashes[1]
     unrecorded = [judge_read(KeyInfo(vllm_key(MODEL, "f" * 64), layout.size), layout.size, None)]
     unrecorded[0].verdicts.clear()
-    bind_values(unrecorded, values[2:3], [(layout,)], bindings)  # the tail page without its record
+    bind_values(unrecorded, Values.listed(values[2:3]), [(layout,)], bindings)  # the tail page without its record
     assert unrecorded[0].verdicts == ["WEIGHTS_MISMATCH"]
 
 
@@ -194,7 +194,7 @@ def test_a_model_none_of_whose_keys_were_decoded_at_layer_0_is_not_bound(tmp_pat
     images are of (here: conv images, values whose only layer-0 rows are attention V rows, as
     Falcon-H1's keys were read when its mixers' offset names hid layer 0's conv state) is listed as
     not bound, with the reason; once a key is decoded, it is bound, with its count."""
-    from audit.judge.binding import NO_LAYER0_STATE, Bindings, bind_values
+    from audit.judge.binding import NO_LAYER0_STATE, Bindings, Values, bind_values
     from audit.judge.key import judge_read
     from audit.records import KeyInfo
     from tests.layouts.test_images import llama_checkpoint
@@ -213,7 +213,7 @@ def test_a_model_none_of_whose_keys_were_decoded_at_layer_0_is_not_bound(tmp_pat
     def judge(layout, value: bytes) -> None:
         record = judge_read(KeyInfo(vllm_key(MODEL, f"{len(value):064x}"), layout.size), layout.size, None)
         record.verdicts.clear()
-        bind_values([record], [np.frombuffer(value, np.uint8)], [(layout,)], bindings)
+        bind_values([record], Values.listed([np.frombuffer(value, np.uint8)]), [(layout,)], bindings)
         assert record.verdicts == []
 
     judge(attention, rng.standard_normal(attention.size // 4).astype(np.float32).tobytes())
