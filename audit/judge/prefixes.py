@@ -78,28 +78,50 @@ def check_prefix(record: KeyRecord, tokens: np.ndarray, images, prefixes: Prefix
 
 def check_prefixes(records: list[KeyRecord], token_rows, images, prefixes: PrefixRecords | PrefixTable) -> int:
     """`check_prefix` of each record of `images`' model, its decoded tokens in `token_rows` (arrays,
-    or one array of a row a key); how many keys were compared. A key whose hex hash has a packed
-    record its tokens digest to is settled at once, with no record object or string (about a
-    microsecond: a scan checks a million keys); any other key goes `check_prefix`'s whole way."""
+    or one array of a row a key); how many keys were compared. The keys of one array whose hex
+    hashes have table records their tokens digest to are settled at once, with no record object or
+    string (`_settled_at_once`: a scan checks a million keys); any other key goes `check_prefix`'s
+    whole way."""
     region = KV if images.region == KV else CONV
-    if isinstance(token_rows, np.ndarray):  # (keys, rows): one buffer, each key's tokens a slice of it
-        whole, width = token_bytes(token_rows), token_rows.shape[1] * 8
-        encoded = [whole[start:start + width] for start in range(0, len(whole), width)]
-    else:
-        encoded = [token_bytes(tokens) for tokens in token_rows]
-    hashed = []  # each key's hex hash as the tables keep it, None for any other key
-    for record in records:
-        stem, _, chunk_hash = record.key.rpartition("@")
+    settled = _settled_at_once(records, token_rows, region, prefixes)
+    others = np.flatnonzero(~settled).tolist()
+    hashed = []  # each other key's hex hash as the tables keep it, None for any other key
+    for j in others:
+        stem, _, chunk_hash = records[j].key.rpartition("@")
         key = hash_key(chunk_hash) if stem else None
         hashed.append(key if isinstance(key, bytes) else None)
-    checked = 0
-    for j, (record, raw, key, packed) in enumerate(zip(records, encoded, hashed, prefixes.packed_many(hashed, region))):
+    checked = len(records) - len(others)
+    for j, key, packed in zip(others, hashed, prefixes.packed_many(hashed, region)):
         if key is not None and packed is None:
             continue  # a hex hash without a record: nothing to compare
-        if isinstance(packed, int) and (window := (packed & 0xFFFFFFFF) * 8) <= len(raw):
-            chosen = raw[len(raw) - window:] if region == CONV else raw[:window]
-            if encoded_digest(chosen) == packed >> 32:
-                checked += 1
-                continue
-        checked += check_prefix(record, token_rows[j], images, prefixes) is not None
+        checked += check_prefix(records[j], token_rows[j], images, prefixes) is not None
     return checked
+
+
+def _settled_at_once(records: list[KeyRecord], token_rows, region: str, prefixes) -> np.ndarray:
+    """Which keys' decoded tokens (`token_rows`: one array of a row a key) digest to their hash's
+    table record: vLLM keys whose hashes are hex of one length, looked up and compared as arrays
+    (one digest call a key). False for every other key, and for every key of any other batch."""
+    settled = np.zeros(len(records), bool)
+    if not isinstance(token_rows, np.ndarray) or not isinstance(prefixes, PrefixTable) or not records:
+        return settled
+    split = [record.key.rpartition("@") for record in records]
+    width = len(split[0][2])
+    text = "".join(chunk_hash for _, _, chunk_hash in split)
+    if width % 2 or len(text) != width * len(split) or not all(stem for stem, _, _ in split):
+        return settled
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        return settled
+    if len(raw) * 2 != len(text):  # (fromhex passes over whitespace)
+        return settled
+    found, digests, windows = prefixes.tabled(np.frombuffer(raw, f"S{width // 2}"), region)
+    for window in np.unique(windows[found & (windows <= token_rows.shape[1])]).tolist():
+        members = np.flatnonzero(found & (windows == window))
+        chosen = token_rows[members, token_rows.shape[1] - window:] if region == CONV else token_rows[members, :window]
+        encoded, step = token_bytes(chosen), window * 8
+        decoded = np.array([encoded_digest(encoded[start:start + step]) for start in range(0, len(encoded), step)],
+                           np.uint64)
+        settled[members] = decoded == digests[members]
+    return settled

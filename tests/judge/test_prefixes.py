@@ -122,33 +122,47 @@ def test_the_recorders_lines_read_without_json_read_as_json_reads_them(tmp_path)
 
 
 def test_the_batch_check_decides_every_key_as_the_key_by_key_check_does():
-    """`check_prefixes` (a packed record's digest compared at once) flags, passes and counts exactly the
-    keys `check_prefix` does: healthy, swapped, no record, a hash in capitals, an odd or non-hex hash
-    recorded as text, a window longer than the rows, shared images, a digest not of 16 digits, for a
-    conv window and an attention block's first tokens."""
+    """`check_prefixes` (a packed record's digest compared at once; a batch of hex hashes of one
+    length looked up in the sorted tables and digested as one array) flags, passes and counts
+    exactly the keys `check_prefix` does: healthy, swapped, no record, a hash in capitals, an odd or
+    non-hex hash recorded as text, a window longer than the rows, shared images, a digest not of 16
+    digits, for a conv window and an attention block's first tokens; the records in a dict or in
+    tables, the tokens in arrays or in one array, the batch mixed or only 64-digit hashes."""
     from audit.judge.prefixes import check_prefixes
+    from audit.prefixtable import PrefixTable
 
-    records = PrefixRecords()
-    records.add("ab" * 32, PrefixDigest(3, prefix_digest([1, 2, 3])), PrefixDigest(2, prefix_digest([1, 2])))
-    records.add("cd" * 32, PrefixDigest(3, prefix_digest([7, 8, 9])), PrefixDigest(2, prefix_digest([7, 8])))
-    records.add("abc", PrefixDigest(3, prefix_digest([1, 2, 3])))
-    records.add("ef" * 32, PrefixDigest(4, prefix_digest([0, 1, 2, 3])))
-    records.add("12" * 32, PrefixDigest(3, prefix_digest([1, 5, 3])))
-    records.add("34" * 32, PrefixDigest(3, "0123"))
+    def recorded() -> PrefixRecords:
+        records = PrefixRecords()
+        records.add("ab" * 32, PrefixDigest(3, prefix_digest([1, 2, 3])), PrefixDigest(2, prefix_digest([1, 2])))
+        records.add("cd" * 32, PrefixDigest(3, prefix_digest([7, 8, 9])), PrefixDigest(2, prefix_digest([7, 8])))
+        records.add("abc", PrefixDigest(3, prefix_digest([1, 2, 3])))
+        records.add("ef" * 32, PrefixDigest(4, prefix_digest([0, 1, 2, 3])))
+        records.add("12" * 32, PrefixDigest(3, prefix_digest([1, 5, 3])))
+        records.add("34" * 32, PrefixDigest(3, "0123"))
+        return records
+
     cases = [("ab" * 32, [1, 2, 3]), ("cd" * 32, [1, 2, 3]), ("56" * 32, [1, 2, 3]), ("AB" * 32, [1, 2, 3]),
              ("CD" * 32, [7, 8, 9]), ("abc", [1, 2, 3]), ("abc", [1, 2, 4]), ("ef" * 32, [1, 2, 3]),
              ("12" * 32, [1, 3, 3]), ("12" * 32, [1, 4, 3]), ("34" * 32, [1, 2, 3]), ("zz", [1, 2, 3])]
     flagged_of = {"conv": [1, 6, 9, 10], "v": [1]}  # cases' indices; "ef" (4 tokens > 3 rows): not compared
+    tables = PrefixTable({}, recorded())
+    assert len(tables.tables) == 2 and tables.rest.digests  # (hex hashes in tables; "abc" and "34..." not)
+    hexed = [i for i, (h, _) in enumerate(cases) if len(h) == 64]
     for region in ("conv", "v"):
         images = SimpleNamespace(twins={3: np.array([3, 5]), 5: np.array([3, 5])}, region=region)
         one_by_one = [KeyRecord(key=vllm_key(MODEL, h), size=0, fields=None) for h, _ in cases]
-        batched = [KeyRecord(key=vllm_key(MODEL, h), size=0, fields=None) for h, _ in cases]
-        rows = [np.array(tokens) for _, tokens in cases]
-        expected = sum(check_prefix(r, t, images, records) is not None for r, t in zip(one_by_one, rows))
-        assert check_prefixes(batched, rows, images, records) == expected
-        assert [(r.verdicts, r.evidence) for r in batched] == [(r.verdicts, r.evidence) for r in one_by_one]
-        assert [i for i, r in enumerate(batched) if r.verdicts] == flagged_of[region]
-        assert expected == {"conv": 9, "v": 4}[region]
+        expected = [check_prefix(r, np.array(t), images, recorded()) is not None for r, (_, t) in zip(one_by_one, cases)]
+        assert [i for i, r in enumerate(one_by_one) if r.verdicts] == flagged_of[region]
+        assert sum(expected) == {"conv": 9, "v": 4}[region]
+        for prefixes in (recorded(), tables):
+            for chosen in (range(len(cases)), hexed):
+                for as_array in (False, True):
+                    batched = [KeyRecord(key=vllm_key(MODEL, cases[i][0]), size=0, fields=None) for i in chosen]
+                    rows = np.array([cases[i][1] for i in chosen])
+                    checked = check_prefixes(batched, rows if as_array else list(rows), images, prefixes)
+                    assert checked == sum(expected[i] for i in chosen)
+                    assert [(r.verdicts, r.evidence) for r in batched] == \
+                        [(one_by_one[i].verdicts, one_by_one[i].evidence) for i in chosen]
 
 
 def test_the_sorted_tables_answer_as_a_dict_of_the_same_lines_does(tmp_path, monkeypatch):
