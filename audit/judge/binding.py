@@ -146,14 +146,15 @@ class Values:
 
 
 def bind_values(records: list[KeyRecord], values: Values, readings: list, bindings: Bindings) -> None:
-    """WEIGHTS_MISMATCH on each record whose value's (`Values`) layer-0 token rows (conv rows, or attention's V: `layer0_region`) are not all images of tokens
-    under its model's weights, under any of its readings (``readings[i]``: the layouts it may be read
-    with, the one it is judged by first): a size that fits bfloat16 and float16 alike is bound under
-    the reading that decodes to tokens, and flagged only when none does. The batch's rows are
-    decoded at once, per (model, TP size, rank): every value's first reading (conv states of one
-    layout stacked and decoded as one array: binding's cost a key stays a few microseconds), then the
-    next reading of the values none has bound yet (a wrong reading's rows go the long way, a search of
-    the whole vocabulary, so a healthy value is never read twice)."""
+    """WEIGHTS_MISMATCH on each record whose value's (`Values`) layer-0 token rows (conv rows, or
+    attention's V: `layer0_region`) are not all images of tokens under its model's weights, under
+    any of its readings (``readings[i]``: the layouts it may be read with, the one it is judged by
+    first): a size that fits bfloat16 and float16 alike is bound under the reading that decodes to
+    tokens, and flagged only when none does. The batch's rows are decoded at once, per (model, TP
+    size, rank): every value's first reading (conv states of one layout stacked and decoded as one
+    array: binding's cost a key stays a few microseconds), then the next reading of the values none
+    has bound yet (a wrong reading's rows go the long way, a search of the whole vocabulary, so a
+    healthy value is never read twice)."""
     judged = [i for i in values.read if readings[i]
               and not (records[i].verdicts and _ALREADY_FLAGGED.intersection(records[i].verdicts))]
     tried: dict[int, list] = {}  # record index -> (images, tokens, distances), one per reading decoded
