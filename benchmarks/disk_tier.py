@@ -3,6 +3,7 @@ on a store whose keys are all disk-only, against `cat` reading the same bucket f
 host, run in turn (A B, B A, ...), each timed from spawn to reaped exit.
 
     python -m benchmarks.disk_tier [--keys 1024] [--value-kib 1024] [--bucket-keys 1] [--runs 5]
+                                   [--cold] [--segment-mb N]
 
 The store: one `LocalCluster` holder offloading eagerly (bucket backend, `--bucket-keys` per bucket),
 `--keys` values put (one in 50 all zero) and waited for on disk; then the holder restarts, and at
@@ -19,7 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +33,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 from audit.cluster import LocalCluster  # noqa: E402
 from audit.connection import Settings, open_store  # noqa: E402
 from benchmarks.common import machine, text_table  # noqa: E402
-from benchmarks.paired import ROOT, child_env, connection_flags, run  # noqa: E402
+from benchmarks.paired import ROOT, checkout_before, child_env, connection_flags, run  # noqa: E402
 
 PREFIX = "disk-tier/"
 FILLER_PREFIX = "disk-tier-filler/"  # completes the last bucket when a bucket holds several keys
@@ -89,6 +92,23 @@ def _wait_on_disk(cluster: LocalCluster, names: list[str], count: int, timeout_s
         time.sleep(0.1)
 
 
+def dropped_from_cache(paths: list[str]) -> int:
+    """The files' pages dropped from the page cache (written back first: the kernel drops clean pages
+    only); the bytes still resident after, by `fincore` (-1 where it is not installed)."""
+    for path in paths:
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(descriptor)
+    if shutil.which("fincore") is None:
+        return -1
+    resident = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *paths],
+                              capture_output=True, text=True, check=True).stdout.split()
+    return sum(int(size) for size in resident)
+
+
 def verified(report: Path, keys: int, zero: set[str], offload_dir: Path) -> None:
     """The check read every key from its bucket file and flagged exactly the zero values."""
     document = json.loads(report.read_text())
@@ -107,12 +127,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--value-kib", type=int, default=1024)
     parser.add_argument("--bucket-keys", type=int, default=1,
                         help="keys per bucket (Mooncake's default: up to 500 or 256 MiB; 1 and 32 tried here)")
+    parser.add_argument("--cold", action="store_true",
+                        help="drop the bucket files from the page cache before every process: both read the device")
+    parser.add_argument("--segment-mb", type=int,
+                        help="the holder's segment (default: twice the store); smaller builds a store larger than memory")
+    parser.add_argument("--before", action="store_true",
+                        help="also run HEAD's check (exported with git archive) in turn on the same store")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--output", type=Path, help="also write the results here (JSON)")
     args = parser.parse_args(argv)
     value_bytes = args.value_kib << 10
-    segment_mb = 2 * (args.keys * value_bytes >> 20) + 256
+    segment_mb = args.segment_mb or 2 * (args.keys * value_bytes >> 20) + 256
     with tempfile.TemporaryDirectory(prefix="disk-tier-") as scratch, \
             LocalCluster(holders=1, segment_mb=segment_mb, offload=True, bucket_keys=args.bucket_keys,
                          client_ttl_s=3, log_dir=Path(scratch)) as cluster:
@@ -127,32 +153,44 @@ def main(argv: list[str] | None = None) -> int:
         check = [sys.executable, "-m", "cli", "check", *connection_flags(cluster), "--local-hostname", "127.0.0.1",
                  "--prefix", PREFIX, "--read-mode", "peek", "--offload-dir", str(offload_dir), "--all",
                  "--format", "json", "--output", str(report), "--no-progress", "--verbose"]
-        raw = ["cat", *buckets]
+        arms = {"check": (check, ROOT), "cat": (["cat", *buckets], ROOT)}
+        if args.before:
+            arms["check, before"] = (check, checkout_before(None, Path(scratch)))
         env = child_env()
-        walls: dict[str, list[float]] = {"check": [], "cat": []}
+        walls: dict[str, list[float]] = {name: [] for name in arms}
+        resident: list[int] = []
         phases = ""
         for turn in range(args.warmup + args.runs):
-            order = [("check", check), ("cat", raw)] if turn % 2 == 0 else [("cat", raw), ("check", check)]
-            for name, command in order:
-                result = run(command, env, ROOT)
-                if name == "check":
+            order = list(arms) if turn % 2 == 0 else list(reversed(arms))
+            for name in order:
+                command, cwd = arms[name]
+                if args.cold:
+                    resident.append(dropped_from_cache(buckets))
+                result = run(command, env, cwd)
+                if name.startswith("check"):
                     verified(report, args.keys, zero, offload_dir)
+                if name == "check":
                     phases = result["stderr"]
                 if turn >= args.warmup:
                     walls[name].append(result["wall"])
     value_total = args.keys * value_bytes
-    rates = {"check": [value_total / wall for wall in walls["check"]],
-             "cat": [bucket_bytes / wall for wall in walls["cat"]]}
+    rates = {name: [(bucket_bytes if name == "cat" else value_total) / wall for wall in walls[name]] for name in walls}
     ratios = [check / cat for check, cat in zip(rates["check"], rates["cat"])]
     lines = [[name, f"{statistics.median(walls[name]):.3f}", f"{min(walls[name]):.3f}", f"{max(walls[name]):.3f}",
-              f"{statistics.median(rates[name]) / 1e9:.2f}"] for name in ("check", "cat")]
+              f"{statistics.median(rates[name]) / 1e9:.2f}"] for name in walls]
     print(text_table(["process", "wall s (median)", "min", "max", "GB/s (median)"], lines))
     print(f"check / cat read rate, pair by pair: median {statistics.median(ratios):.3f} "
           f"(min {min(ratios):.3f}, max {max(ratios):.3f}); goal 0.9")
+    if args.before:
+        before = [old / cat for old, cat in zip(rates["check, before"], rates["cat"])]
+        print(f"HEAD's check / cat: median {statistics.median(before):.3f} (min {min(before):.3f}, max {max(before):.3f})")
+    if args.cold:
+        print(f"bucket bytes left in the page cache before a process: at most {max(resident)} of {bucket_bytes}")
     print("check --verbose, last run:\n" + "\n".join(line for line in phases.splitlines() if "s " in line or ":" in line))
     if args.output:
         args.output.write_text(json.dumps({"machine": machine(), "keys": args.keys, "value_bytes": value_bytes,
                                            "bucket_keys": args.bucket_keys, "bucket_bytes": bucket_bytes,
+                                           "cold": args.cold, "segment_mb": segment_mb, "resident_before": resident,
                                            "walls": walls, "ratios": ratios, "check_stderr": phases}, indent=1))
     return 0
 
