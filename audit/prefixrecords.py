@@ -116,6 +116,12 @@ def unpacked(value: int | PrefixDigest | None) -> PrefixDigest | None:
     return PrefixDigest(value & 0xFFFFFFFF, f"{value >> 32:016x}") if isinstance(value, int) else value
 
 
+def window_and_digest(value: int | PrefixDigest) -> tuple[int, int | str]:
+    """A record as kept, read with no record object made: its window, and its digest as
+    `digest_value`'s integer where packed, else as the record wrote it (`prefix_digest`'s text)."""
+    return (value & 0xFFFFFFFF, value >> 32) if isinstance(value, int) else (value.window, value.digest)
+
+
 @dataclass
 class PrefixRecords:
     """Chunk hash -> what its state's layer-0 tokens digest to (`digests`: conv windows; `blocks`:

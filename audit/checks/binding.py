@@ -38,26 +38,25 @@ def nearest_on_checked(checked: np.ndarray, images) -> tuple[np.ndarray, np.ndar
     """`nearest_tokens` of rows given on the images' check columns only (n, check) float32: a
     guard gathers those few columns from a page instead of decoding every row whole."""
     with np.errstate(all="ignore"):
-        checked = _finite(checked)
-        return _nearest(checked, checked[:, images.probe_index], images)
+        return _nearest(checked, images)
 
 
 def _finite(columns: np.ndarray) -> np.ndarray:
     """NaN and Inf (bytes read in another dtype) made a huge number: far from every image."""
-    if np.isfinite(columns).all():  # as a rule: one pass, no copy
-        return columns
     return np.where(np.isfinite(columns), columns, np.float32(3e38))
 
 
-def _nearest(checked: np.ndarray, probed: np.ndarray, images) -> tuple[np.ndarray, np.ndarray]:
+def _nearest(checked: np.ndarray, images) -> tuple[np.ndarray, np.ndarray]:
     """A row's first token of its code, compared on every check column: a healthy row's token, as a
-    rule, in a handful of array operations for the whole batch; the rows it is not, searched."""
+    rule, in a handful of array operations for the whole batch; the rows it is not, searched (a
+    row holding NaN or Inf is never near its first token, so only searched rows need `_finite`)."""
     centers, codes, order = images.probe_signs
-    tokens = order[np.minimum(codes.searchsorted(sign_codes(probed, centers)), len(codes) - 1)]
+    tokens = order[np.minimum(codes.searchsorted(sign_codes(checked[:, images.probe_index], centers)), len(codes) - 1)]
     distances = _distances(checked, tokens[:, None], images)[:, 0]
     missed = np.flatnonzero(distances > ROW_TOLERANCE)
     if len(missed):
-        tokens[missed], distances[missed] = _searched(checked[missed], probed[missed], images)
+        finite = _finite(checked[missed])
+        tokens[missed], distances[missed] = _searched(finite, finite[:, images.probe_index], images)
     return tokens, distances
 
 

@@ -19,10 +19,12 @@ from audit.prefixrecords import (
     KV,
     PrefixDigest,
     PrefixRecords,
+    digest_value,
     encoded_digest,
     hash_key,
     prefix_digest,
     token_bytes,
+    window_and_digest,
 )
 from audit.prefixtable import PrefixTable
 from audit.producers.vllm import split_stem
@@ -41,20 +43,35 @@ def window_tokens(tokens, window: int, region: str) -> list[int] | None:
     return chosen.tolist() if isinstance(chosen, np.ndarray) else list(map(int, chosen))
 
 
-def prefix_matches(tokens, expected: PrefixDigest, twins: dict, region: str = CONV) -> bool | None:
+def prefix_matches(tokens, expected: PrefixDigest | int, twins: dict, region: str = CONV) -> bool | None:
     """Whether decoded `tokens` (oldest first) hold the tokens `expected` digests where `region`'s
     record says (`window_tokens`), any token of a class of shared images standing for any other
     (`twins`); None: nothing to say (the rows hold fewer tokens than the window, or the classes
-    leave too many readings)."""
-    window = window_tokens(tokens, expected.window, region)
+    leave too many readings). `expected` may be a record as the tables keep it (`window_and_digest`):
+    a guard compares a load's keys with no record object made."""
+    size, wanted = window_and_digest(expected)
+    window = window_tokens(tokens, size, region)
     if window is None:
         return None
-    if prefix_digest(window) == expected.digest:
+    digest = digest_value if isinstance(wanted, int) else prefix_digest
+    if digest(window) == wanted:
         return True
     classes = [twins.get(token, (token,)) for token in window]
     if math.prod(len(c) for c in classes) > MAX_READINGS:
         return None
-    return any(prefix_digest(reading) == expected.digest for reading in itertools.product(*classes))
+    return any(digest(reading) == wanted for reading in itertools.product(*classes))
+
+
+def encoded_prefix_matches(encoded: memoryview, expected: PrefixDigest | int, region: str = CONV) -> bool:
+    """Whether a key's decoded tokens, given as `token_bytes` (a slice of a batch's: no copy), digest
+    to `expected` where its record says, as they do as a rule: `prefix_matches`' first test, with no
+    list made. False says only that this test did not match (twins, a record's text digest, a short
+    window): `prefix_matches` decides those."""
+    size, wanted = window_and_digest(expected)
+    count = len(encoded) // 8
+    if not isinstance(wanted, int) or not 0 < size <= count:
+        return False
+    return encoded_digest(encoded[(count - size) * 8:] if region == CONV else encoded[:size * 8]) == wanted
 
 
 def check_prefix(record: KeyRecord, tokens: np.ndarray, images, prefixes: PrefixRecords | PrefixTable) -> bool | None:

@@ -19,7 +19,6 @@ import functools
 import itertools
 import json
 import logging
-import operator
 import re
 import threading
 import time
@@ -30,7 +29,13 @@ from pathlib import Path
 import numpy as np
 
 from audit.layouts.manifest import segment_layer
-from audit.prefixrecords import PREFIX_RECORD_PREFIX, PrefixRecords, parse_prefix_record
+from audit.prefixrecords import (
+    PREFIX_RECORD_PREFIX,
+    PrefixRecords,
+    parse_prefix_record,
+    token_bytes,
+    window_and_digest,
+)
 from audit.recorder.deny import RecordTail
 
 logger = logging.getLogger("vllm.mooncake_audit")
@@ -108,6 +113,16 @@ def row_elements(geometry: Layer0Rows, columns: np.ndarray, width: int) -> np.nd
     return elements[columns, :].T if elements.shape[0] > elements.shape[1] else elements[:, columns]
 
 
+def _later_readings(data: np.ndarray, geometry: Layer0Rows, filled: int | None, columns) -> Iterator[np.ndarray]:
+    """An attention page's first `filled` V rows on the check columns under the page interface's
+    other byte orders (`audit.judge.binding.token_rows` after its first): nothing is read until a
+    page's first reading does not bind."""
+    from audit.judge.binding import token_rows
+
+    for rows in itertools.islice(token_rows(data, geometry, "v"), 1, None):
+        yield rows[:filled, columns]
+
+
 class StateBinder:
     def __init__(self, directory: Path):
         self._tail = RecordTail([Path(directory)], f"{PREFIX_RECORD_PREFIX}*.jsonl*")
@@ -117,13 +132,13 @@ class StateBinder:
         self.status = "not described yet"
         self.building: threading.Thread | None = None  # the thread building the images (joined by tests)
         self._refreshed = -REFRESH_S
-        self._elements: dict[Layer0Rows, tuple] = {}  # each geometry's (`row_elements`, raw number dtype)
-        self._elements_of = None  # the images those were made for
+        self._gathers: dict[int, tuple] = {}  # each group's (Layer0Rows, `row_elements`, raw number dtype)
+        self._gathers_of = None  # the images those were made for (`describe` clears them too)
 
     def describe(self, document: dict, *, background: bool = True) -> threading.Thread | None:
         """The consumer's manifest: each group's layer-0 conv state or attention page, and the
         weights it loaded."""
-        self.layer0 = {}
+        self.layer0, self._gathers = {}, {}
         for group in document.get("groups") or []:
             conv = next((s for s in group.get("states") or () if s.get("name") == "conv"), None)
             segment = next((s for s in group.get("segments") or () if segment_layer(document, s) == 0), None)
@@ -173,71 +188,78 @@ class StateBinder:
         if images is None:
             return {}
         from audit.checks.binding import ROW_TOLERANCE, nearest_on_checked
-        from audit.checks.floats import FLOAT_DTYPES, decode_floats
-        from audit.judge.binding import token_rows
-        from audit.judge.prefixes import prefix_matches
+        from audit.checks.floats import decode_floats
+        from audit.judge.prefixes import encoded_prefix_matches, prefix_matches
 
-        hashes = {index: keys[index].rpartition("@")[2] for index in loaded}
         pending: list[tuple[int, np.ndarray, Iterator]] = []  # (index, rows on the check columns, later readings)
-        columns = images.check_columns
-        if self._elements_of is not images:
-            self._elements, self._elements_of = {}, images
+        region, columns = "v" if images.region == "v" else "conv", images.check_columns
+        records = {}  # index -> its chunk hash's record, as kept (`window_and_digest`): one lookup a key
+        if self._gathers_of is not images:
+            self._gathers, self._gathers_of = {}, images
         for index in loaded:
-            match = _GROUP.search(keys[index])
-            geometry = self.layer0.get(int(match.group(1)) if match else 0)
-            if geometry is None or geometry.kind != images.region:
+            key = keys[index]
+            match = _GROUP.search(key)
+            group = int(match.group(1)) if match else 0
+            if (gather := self._gathers.get(group)) is None:
+                gather = self._gathers[group] = self._gather(self.layer0.get(group), images)
+            geometry, elements, raw = gather
+            if elements is None:
                 continue
-            if (gather := self._elements.get(geometry)) is None:
-                bits = FLOAT_DTYPES.get(geometry.dtype)
-                elements = None if bits is None else row_elements(geometry, columns, images.columns)
-                gather = self._elements[geometry] = (elements, np.dtype(f"u{bits.itemsize}") if bits else None)
-            elements, raw = gather
             data = segment_bytes(index, geometry.segment)[geometry.offset:geometry.offset + geometry.length]
-            if elements is None or len(data) != geometry.length:
+            if len(data) != geometry.length:
                 continue
             numbers = data.view(raw).take(elements)  # (tokens, check): these few numbers, not the page
             rows = numbers.view(np.float32) if geometry.dtype == "float32" \
                 else decode_floats(numbers.view(np.uint8).reshape(-1), geometry.dtype).reshape(elements.shape)
+            record = records[index] = self._record(key.rpartition("@")[2], region)
             if geometry.kind == "conv":
                 pending.append((index, rows, iter(())))
                 continue
-            filled = self._filled_rows(hashes[index])  # a partial tail block: its own tokens' rows only
-            later = itertools.islice(token_rows(data, geometry, "v"), 1, None)  # the page interface's orders
-            pending.append((index, rows[:filled], map(operator.itemgetter((slice(filled), columns)), later)))
-        found, region = {}, "v" if images.region == "v" else "conv"
-        decided: dict[int, tuple[list[int], bool]] = {}  # index -> (its tokens, all rows near an image)
+            # a partial tail block: its own tokens' rows only, as its request's record says (None: all)
+            filled = None if record is None else window_and_digest(record)[0]
+            pending.append((index, rows[:filled], _later_readings(data, geometry, filled, columns)))
+        found = {}
+        decided: dict[int, tuple] = {}  # index -> (its tokens, their token_bytes, all rows near an image)
         while pending:  # a page's later byte orders only for values the likelier ones did not bind
             decoded, distances = nearest_on_checked(np.concatenate([rows for _, rows, _ in pending]), images)
-            tokens, near, start, later = decoded.tolist(), (distances <= ROW_TOLERANCE).tolist(), 0, []
+            near, encoded, start, later = (distances <= ROW_TOLERANCE).tolist(), token_bytes(decoded), 0, []
             for index, rows, readings in pending:
                 end = start + len(rows)
                 bound = all(near[start:end])
                 if bound or index not in decided:
-                    decided[index] = (tokens[start:end], bound)
+                    decided[index] = (decoded[start:end], encoded[start * 8:end * 8], bound)
                 if not bound and (rows := next(readings, None)) is not None:
                     later.append((index, rows, readings))
                 start = end
             pending = later
-        expectations = {index: self.prefixes.get(hashes[index], region) for index in decided}
-        if None in expectations.values():
-            self._refresh()
-            expectations = {index: self.prefixes.get(hashes[index], region) for index in decided}
-        for index, (tokens, bound) in decided.items():
-            expected = expectations[index]
+        for index, (tokens, encoded, bound) in decided.items():
+            expected = records[index]
             if not bound:
                 found[index] = WEIGHTS_MISMATCH
-            elif expected is not None and prefix_matches(tokens, expected, images.twins, region) is False:
+            elif expected is not None and not encoded_prefix_matches(encoded, expected, region) \
+                    and prefix_matches(tokens, expected, images.twins, region) is False:
                 found[index] = PREFIX_MISMATCH
         return found
 
-    def _filled_rows(self, chunk_hash: str) -> int | None:
-        """How many of an attention page's V rows are its block's own tokens, where the request's
-        record says (a partial tail block's later rows hold what the page held before); None: all."""
-        block = self.prefixes.get(chunk_hash, "v")
-        if block is None:
+    @staticmethod
+    def _gather(geometry: Layer0Rows | None, images) -> tuple:
+        """A group's (layer-0 rows, their check columns' element indices, raw number dtype); the
+        indices None where its values are not bound (no such rows, another kind, not a float)."""
+        from audit.checks.floats import FLOAT_DTYPES
+
+        bits = None if geometry is None or geometry.kind != images.region else FLOAT_DTYPES.get(geometry.dtype)
+        if bits is None:
+            return geometry, None, None
+        return geometry, row_elements(geometry, images.check_columns, images.columns), np.dtype(f"u{bits.itemsize}")
+
+    def _record(self, chunk_hash: str, region: str):
+        """`chunk_hash`'s record for `region` as kept, the records read again first where it has none
+        (at most every REFRESH_S); None: no record."""
+        record = self.prefixes.packed(chunk_hash, region)
+        if record is None:
             self._refresh()
-            block = self.prefixes.get(chunk_hash, "v")
-        return None if block is None else block.window
+            record = self.prefixes.packed(chunk_hash, region)
+        return record
 
     def _refresh(self) -> None:
         """The prefix records written since the last read (at most every REFRESH_S: a key without a

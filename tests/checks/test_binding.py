@@ -60,3 +60,18 @@ def test_a_row_rounded_across_a_probe_center_is_found_without_the_vocabulary_sea
     monkeypatch.setattr(audit.checks.binding, "_searched_vocabulary", no_search)
     tokens, distances = nearest_tokens(row, images)
     assert tokens.tolist() == [token] and distances[0] < ROW_TOLERANCE
+
+
+def test_a_row_holding_nan_or_inf_is_far_from_every_image_and_its_neighbours_still_bind(tmp_path):
+    """Bytes read in another dtype can hold NaN and Inf: such a row is never near an image (the
+    first-token comparison leaves it to the search, which sees it finite), and the healthy rows
+    beside it in the batch decode as they would alone."""
+    tiny_mamba2_checkpoint(tmp_path / "m")
+    images = token_images(tmp_path / "m", "m", 1, 0)
+    rows = images.images([3, 5, 7, 9, 11])
+    rows[1, images.check_columns[0]] = np.nan  # a check column
+    rows[2, images.probe_columns[0]] = np.inf  # a probe column
+    rows[3, :] = -np.inf
+    tokens, distances = nearest_tokens(rows, images)
+    assert tokens[[0, 4]].tolist() == [3, 11] and distances[[0, 4]].max() < 1e-6
+    assert (distances[1:4] > ROW_TOLERANCE).all()

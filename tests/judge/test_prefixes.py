@@ -11,9 +11,9 @@ import jsonschema
 import numpy as np
 
 from audit.judge.plan import load_layouts
-from audit.judge.prefixes import check_prefix
+from audit.judge.prefixes import check_prefix, encoded_prefix_matches, prefix_matches
 from audit.layouts.weights import token_images
-from audit.prefixrecords import PrefixDigest, PrefixRecords, prefix_digest, prefix_line
+from audit.prefixrecords import CONV, KV, PrefixDigest, PrefixRecords, prefix_digest, prefix_line, token_bytes
 from audit.prefixtable import read_prefix_records
 from audit.producers.vllm import vllm_key
 from audit.recordfiles import Malformed
@@ -78,6 +78,30 @@ def test_shared_images_may_be_any_token_of_their_class():
     assert wrong.verdicts == [Verdict.PREFIX_MISMATCH]
     assert wrong.evidence["prefix_mismatch"]["shared_images"] == 1
     assert check_prefix(KeyRecord(key=vllm_key(MODEL, "ef"), size=0, fields=None), np.array([1, 3, 2]), images, records) is None
+
+
+def test_a_guards_packed_records_are_compared_as_the_records_themselves_are():
+    """The guards compare a load's tokens with the records as kept (packed integers) and their
+    encoded bytes: every answer is `prefix_matches`' on the record itself, for both regions, right and
+    wrong tokens, windows longer than the rows and a record whose digest is not packed."""
+    records = PrefixRecords()
+    decoded = np.array([7, 1, 5, 2, 9, 4])
+    for chunk_hash, region, window, tokens in [("aa", CONV, 3, [2, 9, 4]), ("bb", CONV, 3, [2, 9, 3]),
+                                               ("cc", KV, 4, [7, 1, 5, 2]), ("dd", KV, 4, [7, 1, 5, 3]),
+                                               ("ee", CONV, 8, [1] * 8), ("ff", KV, 6, [7, 1, 5, 2, 9, 4])]:
+        digest = PrefixDigest(window, prefix_digest(tokens))
+        records.add(chunk_hash, *((digest, None) if region == CONV else (None, digest)))
+        packed = records.packed(chunk_hash, region)
+        assert isinstance(packed, int)
+        whole = prefix_matches(decoded, records.get(chunk_hash, region), {}, region)
+        assert prefix_matches(decoded, packed, {}, region) == whole
+        assert encoded_prefix_matches(token_bytes(decoded), packed, region) == (whole is True)
+    assert [encoded_prefix_matches(token_bytes(decoded), records.packed(h, r), r) for h, r in
+            [("aa", CONV), ("bb", CONV), ("cc", KV), ("dd", KV), ("ee", CONV), ("ff", KV)]] == \
+        [True, False, True, False, False, True]
+    text = PrefixDigest(3, "not-a-hex-digest")  # kept as the record wrote it: left to prefix_matches
+    assert encoded_prefix_matches(token_bytes(decoded), text, CONV) is False
+    assert prefix_matches(decoded, text, {}, CONV) is False
 
 
 def test_a_hash_recorded_with_two_digests_claims_nothing(tmp_path):
