@@ -40,6 +40,7 @@ from audit.recordfiles import Malformed
 PREFIX_RECORD_PREFIX = "prefixes-"
 DIGEST = "xxh3_64 of the tokens as little-endian int64"
 _INT64 = np.dtype("<i8")
+TOKEN_BYTES = _INT64.itemsize  # a token's bytes in `token_bytes`: slices of a batch's are a key's
 
 
 def token_bytes(tokens) -> memoryview:

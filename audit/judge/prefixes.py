@@ -17,6 +17,7 @@ from audit.prefixrecords import (
     CONV,
     DIGEST,
     KV,
+    TOKEN_BYTES,
     PrefixDigest,
     PrefixRecords,
     digest_value,
@@ -68,10 +69,11 @@ def encoded_prefix_matches(encoded: memoryview, expected: PrefixDigest | int, re
     list made. False says only that this test did not match (twins, a record's text digest, a short
     window): `prefix_matches` decides those."""
     size, wanted = window_and_digest(expected)
-    count = len(encoded) // 8
+    count = len(encoded) // TOKEN_BYTES
     if not isinstance(wanted, int) or not 0 < size <= count:
         return False
-    return encoded_digest(encoded[(count - size) * 8:] if region == CONV else encoded[:size * 8]) == wanted
+    first = count - size if region == CONV else 0  # a conv state's last tokens, a block's first
+    return encoded_digest(encoded[first * TOKEN_BYTES:(first + size) * TOKEN_BYTES]) == wanted
 
 
 def check_prefix(record: KeyRecord, tokens: np.ndarray, images, prefixes: PrefixRecords | PrefixTable) -> bool | None:
@@ -137,7 +139,7 @@ def _settled_at_once(records: list[KeyRecord], token_rows, region: str, prefixes
     for window in np.unique(windows[found & (windows <= token_rows.shape[1])]).tolist():
         members = np.flatnonzero(found & (windows == window))
         chosen = token_rows[members, token_rows.shape[1] - window:] if region == CONV else token_rows[members, :window]
-        encoded, step = token_bytes(chosen), window * 8
+        encoded, step = token_bytes(chosen), window * TOKEN_BYTES
         decoded = np.array([encoded_digest(encoded[start:start + step]) for start in range(0, len(encoded), step)],
                            np.uint64)
         settled[members] = decoded == digests[members]

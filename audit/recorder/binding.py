@@ -31,6 +31,7 @@ import numpy as np
 from audit.layouts.manifest import segment_layer
 from audit.prefixrecords import (
     PREFIX_RECORD_PREFIX,
+    TOKEN_BYTES,
     PrefixRecords,
     parse_prefix_record,
     token_bytes,
@@ -227,7 +228,7 @@ class StateBinder:
                 end = start + len(rows)
                 bound = all(near[start:end])
                 if bound or index not in decided:
-                    decided[index] = (decoded[start:end], encoded[start * 8:end * 8], bound)
+                    decided[index] = (decoded[start:end], encoded[start * TOKEN_BYTES:end * TOKEN_BYTES], bound)
                 if not bound and (rows := next(readings, None)) is not None:
                     later.append((index, rows, readings))
                 start = end
