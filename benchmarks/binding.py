@@ -7,6 +7,7 @@ same config.json without it (no binding), interleaved, in one run.
     python -m benchmarks.binding                    # 160 keys of 9.7 MB (1.55 GB), 5 pairs
     python -m benchmarks.binding --keys 8 --runs 1  # a smoke run
     python -m benchmarks.binding --geometry small --keys 1000000 --runs 2 --no-fresh-probe  # a million keys
+    python -m benchmarks.binding --device cuda      # on a GPU host: values read into GPU memory
 
 `--geometry small` is the same vocabulary and layer-0 rule on a one-layer Mamba2 of hidden 32 (values of
 a few hundred bytes), so that a million keys fit this machine: binding's per-key cost against a scan's.
@@ -128,6 +129,7 @@ def main() -> int:
     parser.add_argument("--geometry", choices=GEOMETRIES, default="130m")
     parser.add_argument("--fresh-probe", action=argparse.BooleanOptionalAction, default=True,
                         help="also time a scan that builds the probe afresh")
+    parser.add_argument("--device", default="auto", help="the scans' --device (cuda: values read into GPU memory)")
     args = parser.parse_args()
     from audit.cluster import LocalCluster
 
@@ -149,7 +151,7 @@ def main() -> int:
                 return [sys.executable, "-m", "cli", "scan", "--master", cluster.master_address, "--metadata",
                         cluster.metadata_url, "--admin", cluster.admin_url, "--local-hostname", "127.0.0.1",
                         "--model-config", str(model_dir), *FLAGS, "--format", "json", "--no-progress",
-                        "--output", str(Path(scratch) / out), *extra]
+                        "--output", str(Path(scratch) / out), "--device", args.device, *extra]
 
             cache = Path(scratch) / "cache"
             arms = {"binding": (bound, ()), "binding and prefix records": (bound, ("--block-tables", str(records))),
@@ -175,7 +177,8 @@ def main() -> int:
         lines.append([label, f"{statistics.median(r['wall'] for r in runs):.3f}",
                       f"{min(r['wall'] for r in runs):.3f}-{max(r['wall'] for r in runs):.3f}",
                       f"{statistics.median(r['cpu'] for r in runs):.2f}", f"{statistics.median(r['rss_mib'] for r in runs):.0f}"])
-    print(f"{args.keys} keys x {size:,} B ({args.keys * size / 1e9:.2f} GB), {args.runs} rounds; {machine()}")
+    print(f"{args.keys} keys x {size:,} B ({args.keys * size / 1e9:.2f} GB), {args.runs} rounds, --device "
+          f"{args.device}; {machine()}")
     print(text_table(["scan", "wall s (median)", "min-max", "cpu s", "peak RSS MiB"], lines))
     for label in (label for label in measured if label != "no binding"):
         ratios = [a["wall"] / b["wall"] for a, b in zip(measured[label], measured["no binding"])]

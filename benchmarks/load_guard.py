@@ -118,9 +118,11 @@ def block_tokens(block: int, family: str = "mamba2") -> list[int]:
 
 
 class KVMemory:
-    """LAYERS registered buffers of NUM_BLOCKS pages; block 0 unused (vLLM's null block)."""
+    """LAYERS registered buffers of NUM_BLOCKS pages; block 0 unused (vLLM's null block). On
+    `device` cuda they are torch tensors in GPU memory, as a GPU consumer's caches are (`caches`:
+    vLLM's kv_caches for the guards' describe; empty in host memory)."""
 
-    def __init__(self, fill: bool, images=None, family: str = "mamba2"):
+    def __init__(self, fill: bool, images=None, family: str = "mamba2", device: str = "cpu"):
         rng = np.random.default_rng(1)
         self.buffers = []
         for _ in range(LAYERS):
@@ -140,14 +142,25 @@ class KVMemory:
             for block in range(NUM_BLOCKS):
                 rows = images.images(block_tokens(block)).astype(np.float32)
                 self.buffers[0][block, :8 << 10] = rows.view(np.uint8).reshape(-1)
+        self.caches = {}
+        if device == "cuda":
+            import torch
+
+            self.buffers = [torch.from_numpy(buffer).cuda() for buffer in self.buffers]
+            self.caches = {f"model.layers.{i}": buffer for i, buffer in enumerate(self.buffers)}
+
+    def address(self, layer: int, block: int = 0) -> int:
+        buffer = self.buffers[layer]
+        return (buffer.ctypes.data if isinstance(buffer, np.ndarray) else buffer.data_ptr()) + block * PAGE
 
     def register(self, store) -> None:
-        for buffer in self.buffers:
-            store.register_buffer(buffer.ctypes.data, buffer.nbytes)
+        for layer in range(LAYERS):
+            if store.register_buffer(self.address(layer), NUM_BLOCKS * PAGE) != 0:
+                raise SystemExit("register_buffer failed")
 
     def batch(self, count: int) -> tuple[list[list[int]], list[list[int]]]:
         blocks = [1 + i % (NUM_BLOCKS - 1) for i in range(count)]
-        return ([[buffer[b].ctypes.data for buffer in self.buffers] for b in blocks],
+        return ([[self.address(layer, b) for layer in range(LAYERS)] for b in blocks],
                 [[PAGE] * LAYERS for _ in blocks])
 
 
@@ -172,12 +185,13 @@ def median_us(samples: list[float]) -> float:
 
 
 def guard(record_dir: Path, name: str, described: bool, model_path: Path | None = None,
-          family: str = "mamba2") -> LoadGuard:
-    """A load guard; with `model_path`, binding at layer 0 under that checkpoint (its images built now)."""
+          family: str = "mamba2", caches: dict | None = None) -> LoadGuard:
+    """A load guard; with `model_path`, binding at layer 0 under that checkpoint (its images built now);
+    `caches`: the consumer's, where they are GPU memory."""
     binder = StateBinder(record_dir / name) if model_path is not None else None
     made = LoadGuard(DenyList(record_dir / name, RecordWriter(record_dir / name, stem="denied")), binder)
     if described:
-        made.describe(manifest(model_path, family), {})
+        made.describe(manifest(model_path, family), caches or {})
     if binder is not None:
         binder.building.join()
         if binder.status != "bound":
@@ -186,7 +200,7 @@ def guard(record_dir: Path, name: str, described: bool, model_path: Path | None 
 
 
 def time_cluster(cluster: LocalCluster, keys_per_load: int, loads: int, record_dir: Path,
-                 model: Path, family: str = "mamba2") -> dict[str, float]:
+                 model: Path, family: str = "mamba2", device: str = "cpu") -> dict[str, float]:
     from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
     def connect(store_class):
@@ -215,10 +229,11 @@ def time_cluster(cluster: LocalCluster, keys_per_load: int, loads: int, record_d
     stores, memory = {}, {}
     for name, store_class in classes.items():
         stores[name] = connect(store_class)
-        memory[name] = KVMemory(fill=False)
+        memory[name] = KVMemory(fill=False, device=device)
         memory[name].register(stores[name])
-        if name in ("guard", "guard, bound"):
-            stores[name].audit_describe(manifest(model if name == "guard, bound" else None, family), {})
+        if name.startswith("guard"):  # (no manifest: an empty one, which describes no region)
+            document = {} if name == "guard, no manifest" else manifest(model if name == "guard, bound" else None, family)
+            stores[name].audit_describe(document, memory[name].caches)
     samples: dict[str, list[float]] = {name: [] for name in stores}
     names = list(stores)
     for round_index in range(loads + 1):
@@ -239,7 +254,7 @@ def time_cluster(cluster: LocalCluster, keys_per_load: int, loads: int, record_d
 
 
 def time_puts(cluster: LocalCluster, keys_per_load: int, loads: int, record_dir: Path,
-              model: Path, family: str = "mamba2") -> dict[str, float]:
+              model: Path, family: str = "mamba2", device: str = "cpu") -> dict[str, float]:
     """The producer's side: one put of `keys_per_load` values from registered KV memory, bare, through
     the put guard (null-block test and records), and through the put guard bound at layer 0 (every
     value's rows decoded under the producer's weights and compared with its hash's prefix record).
@@ -252,7 +267,7 @@ def time_puts(cluster: LocalCluster, keys_per_load: int, loads: int, record_dir:
                                                    guard=True),
                "put, guard bound": recording_store_class(MooncakeDistributedStore,
                                                          RecordWriter(record_dir / "put-bound"), guard=True)}
-    source = KVMemory(fill=True, images=token_images(model, MODEL, 1, 0), family=family)
+    source = KVMemory(fill=True, images=token_images(model, MODEL, 1, 0), family=family, device=device)
     stores = {}
     for name, store_class in classes.items():
         store = stores[name] = store_class()
@@ -260,7 +275,7 @@ def time_puts(cluster: LocalCluster, keys_per_load: int, loads: int, record_dir:
             raise SystemExit("cannot connect to the embedded cluster")
         source.register(store)
         if name == "put, guard bound":
-            store.audit_describe(manifest(model, family), {})
+            store.audit_describe(manifest(model, family), source.caches)
             store.audit_put_binder.building.join()
             if store.audit_put_binder.status != "bound":
                 raise SystemExit(f"put binding: {store.audit_put_binder.status}")
@@ -284,15 +299,16 @@ def time_puts(cluster: LocalCluster, keys_per_load: int, loads: int, record_dir:
 
 
 def time_check(keys_per_load: int, loads: int, record_dir: Path, model: Path,
-               family: str = "mamba2") -> dict[str, float]:
+               family: str = "mamba2", device: str = "cpu") -> dict[str, float]:
     """The guard's check alone, on values already in memory (what it adds to a load, less the record)."""
-    memory = KVMemory(fill=True, images=token_images(model, MODEL, 1, 0), family=family)
+    memory = KVMemory(fill=True, images=token_images(model, MODEL, 1, 0), family=family, device=device)
     addrs, sizes = memory.batch(keys_per_load)
     keys, results = keys_of(keys_per_load), [LAYERS * PAGE] * keys_per_load
     write_prefix_records(record_dir / "check-bound", keys, family)
-    guards = {"check": guard(record_dir, "check", True, family=family),
+    guards = {"check": guard(record_dir, "check", True, family=family, caches=memory.caches),
               "check, no manifest": guard(record_dir, "check-plain", False),
-              "check, bound": guard(record_dir, "check-bound", True, model, family)}
+              "check, bound": guard(record_dir, "check-bound", True, model, family, memory.caches)}
+    guards["check, no manifest"].describe({}, memory.caches)  # no region described; the caches, where they are
     swapped = keys[1:] + keys[:1]  # every hash's record names another block's tokens: all refused
     if set(guards["check, bound"].check(swapped, addrs, sizes, results).values()) != {"PREFIX_MISMATCH"}:
         raise SystemExit("binding: a state of other tokens than its record's was not refused")
@@ -312,14 +328,16 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=8, help="keys (1 MiB values) per load (default 8)")
     parser.add_argument("--family", choices=("mamba2", "llama"), default="mamba2",
                         help="the values: a Mamba2 hybrid's state keys (default) or a Llama's attention blocks")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the consumer's KV memory is (cuda: the CUDA build of Mooncake, loads into HBM)")
     args = parser.parse_args()
     record_dir = Path(tempfile.mkdtemp(prefix="load-guard-bench-"))
     os.environ.setdefault("MOONCAKE_AUDIT_CACHE", str(record_dir / "cache"))
     model = write_model(record_dir / MODEL, args.family)
     with LocalCluster(holders=1, segment_mb=512) as cluster:
-        real = time_cluster(cluster, args.keys, args.loads, record_dir, model, args.family)
-        puts = time_puts(cluster, args.keys, args.loads, record_dir, model, args.family)
-    check = time_check(args.keys, args.loads * 10, record_dir, model, args.family)
+        real = time_cluster(cluster, args.keys, args.loads, record_dir, model, args.family, args.device)
+        puts = time_puts(cluster, args.keys, args.loads, record_dir, model, args.family, args.device)
+    check = time_check(args.keys, args.loads * 10, record_dir, model, args.family, args.device)
     print(f"{args.keys} keys of {LAYERS * PAGE >> 20} MiB per load ({LAYERS} pages of {PAGE >> 10} KiB); medians of "
           f"{args.loads} loads on the cluster, {args.loads * 10} checks in memory; microseconds per load")
     for name, value in real.items():

@@ -132,12 +132,12 @@ def layer0_region(layout, kind: str | None = None):
 class Values:
     """The values `bind_values` reads, by record index: which were read, and each one's bytes when
     asked for (a fetched batch's view is made only for a key whose rows are not gathered from
-    `placed`). `placed`: the host buffer a fetched batch's values lie in, and each one's offset in
-    it, so that a stack of conv rows is one gather from it."""
+    `placed`). `placed`: the buffer a fetched batch's values lie in (host memory, or a torch tensor
+    in GPU memory), and each one's offset in it, so that a stack of conv rows is one gather from it."""
 
     read: list[int]
     value: Callable[[int], object]
-    placed: tuple[np.ndarray, list[int]] | None = None
+    placed: tuple[object, list[int]] | None = None
 
     @classmethod
     def listed(cls, values: list) -> Values:
@@ -203,10 +203,10 @@ def bind_values(records: list[KeyRecord], values: Values, readings: list, bindin
 
 def _stacked_conv_rows(judged: list[int], records, values: Values, readings,
                        bindings: Bindings) -> tuple[list, list]:
-    """The first readings that are conv states in host memory, stacked per (images, region): a list
-    of (images, record indices, rows (keys, rows, columns)); and the record indices left to read one
-    at a time (attention pages, whose rows depend on each key's record; GPU tensors; a width that
-    does not fit the images, which `_readings` reports)."""
+    """The first readings that are conv states, stacked per (images, region): a list of (images,
+    record indices, rows (keys, rows, columns)); and the record indices left to read one at a time
+    (attention pages, whose rows depend on each key's record; values in GPU memory given without their
+    buffer; a width that does not fit the images, which `_readings` reports)."""
     groups: dict[tuple, list] = {}  # (id(images), id(region)) -> [images, region, record indices]
     members_of: dict[tuple, object] = {}  # (the key's readings, its size[, its rank]) -> its group's indices
     one_by_one = []
@@ -226,10 +226,7 @@ def _stacked_conv_rows(judged: list[int], records, values: Values, readings,
             found.append(i)
     stacked = []
     for images, region, members in groups.values():
-        data = None if values.placed is None else _evenly_placed(*values.placed, members, region)
-        if data is None:
-            data = np.concatenate([values.value(i)[region.offset:region.offset + region.length] for i in members])
-        numbers = decode_floats(data, region.dtype)
+        numbers = decode_floats(_gathered(values, members, region), region.dtype)
         if numbers is None:
             continue
         rows = numbers.reshape(len(members), *region.shape).astype(np.float32)
@@ -237,16 +234,28 @@ def _stacked_conv_rows(judged: list[int], records, values: Values, readings,
     return stacked, one_by_one
 
 
-def _evenly_placed(buffer: np.ndarray, offsets: list[int], members: list[int], region) -> np.ndarray | None:
-    """The members' `region` bytes, one after another, where their values lie in `buffer` a fixed
-    step apart (a batch of keys of one size, as a rule): one strided copy; None otherwise."""
+def _gathered(values: Values, members: list[int], region) -> np.ndarray:
+    """The members' `region` bytes, one after another, in host memory. From a batch's buffer where
+    its values lie a fixed step apart (a batch of keys of one size, as a rule): one strided copy; from
+    GPU memory, one copy to the host for the whole group, not one a key."""
+    if values.placed is None:
+        return np.concatenate([values.value(i)[region.offset:region.offset + region.length] for i in members])
+    buffer, offsets = values.placed
     starts = [offsets[i] + region.offset for i in members]
     step = starts[1] - starts[0] if len(starts) > 1 else region.length
-    if step < region.length or starts[-1] + region.length > len(buffer) \
-            or (len(starts) > 2 and (np.diff(starts) != step).any()):
-        return None
-    view = np.lib.stride_tricks.as_strided(buffer[starts[0]:], (len(starts), region.length), (step, 1), writeable=False)
-    return view.reshape(-1)
+    evenly = step >= region.length and starts[-1] + region.length <= len(buffer) \
+        and not (len(starts) > 2 and (np.diff(starts) != step).any())
+    if isinstance(buffer, np.ndarray):
+        if not evenly:
+            return np.concatenate([buffer[start:start + region.length] for start in starts])
+        view = np.lib.stride_tricks.as_strided(buffer[starts[0]:], (len(starts), region.length), (step, 1),
+                                               writeable=False)
+        return view.reshape(-1)
+    import torch  # (a batch in GPU memory: torch is there)
+
+    on_device = buffer.as_strided((len(starts), region.length), (step, 1), starts[0]) if evenly \
+        else torch.cat([buffer[start:start + region.length] for start in starts])
+    return on_device.reshape(-1).cpu().numpy()
 
 
 _UNSEEN, _RANKED = object(), object()  # (markers: a reading not met yet; one whose group depends on the rank)

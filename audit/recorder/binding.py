@@ -14,8 +14,6 @@ they are on disk when its values are checked; a key without one is judged on its
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import itertools
 import json
 import logging
@@ -46,22 +44,6 @@ REFRESH_S = 0.02  # the prefix records are read again at most this often (only w
 CAPACITY = 1 << 16  # prefix records kept (about 20 MB): a request's hashes are recorded just before its loads
 WEIGHTS_MISMATCH = "WEIGHTS_MISMATCH"
 PREFIX_MISMATCH = "PREFIX_MISMATCH"
-
-
-def cache_tensors(kv_caches: dict):
-    """Every tensor of vLLM's `kv_caches` (a layer's value is a tensor or a list of them)."""
-    for value in kv_caches.values():
-        yield from value if isinstance(value, (list, tuple)) else (value,)
-
-
-@functools.lru_cache(maxsize=64)
-def _byte_array(size: int) -> type:
-    return ctypes.c_uint8 * size
-
-
-def host_bytes(address: int, size: int) -> np.ndarray:
-    """`size` bytes of host memory at `address` (a KV-cache page), as a uint8 view: no copy."""
-    return np.frombuffer(_byte_array(size).from_address(address), dtype=np.uint8)
 
 
 @dataclass(frozen=True)
@@ -182,9 +164,10 @@ class StateBinder:
         return self.building
 
     def refusals(self, keys: Sequence[str], loaded: Sequence[int],
-                 segment_bytes: Callable[[int, int], np.ndarray]) -> dict[int, str]:
+                 region_bytes: Callable[[list[tuple[int, int, int, int]]], list[np.ndarray]]) -> dict[int, str]:
         """Of the `loaded` values (indices into `keys`), those to refuse: index -> reason.
-        `segment_bytes(index, segment)` gives a loaded value's segment as host bytes."""
+        `region_bytes` gives, for each (index, segment, offset, length) asked at once, those bytes of
+        that value's segment in host memory (fewer where the segment ends sooner)."""
         images = self.images
         if images is None:
             return {}
@@ -197,16 +180,18 @@ class StateBinder:
         records = {}  # index -> its chunk hash's record, as kept (`window_and_digest`): one lookup a key
         if self._gathers_of is not images:
             self._gathers, self._gathers_of = {}, images
+        bound: list[tuple[int, tuple]] = []  # (index, its group's gather), for the values bound here
         for index in loaded:
-            key = keys[index]
-            match = _GROUP.search(key)
+            match = _GROUP.search(keys[index])
             group = int(match.group(1)) if match else 0
             if (gather := self._gathers.get(group)) is None:
                 gather = self._gathers[group] = self._gather(self.layer0.get(group), images)
-            geometry, elements, raw = gather
-            if elements is None:
-                continue
-            data = segment_bytes(index, geometry.segment)[geometry.offset:geometry.offset + geometry.length]
+            if gather[1] is not None:
+                bound.append((index, gather))
+        regions = region_bytes([(index, geometry.segment, geometry.offset, geometry.length)
+                                for index, (geometry, _, _) in bound])
+        for (index, (geometry, elements, raw)), data in zip(bound, regions):
+            key = keys[index]
             if len(data) != geometry.length:
                 continue
             numbers = data.view(raw).take(elements)  # (tokens, check): these few numbers, not the page

@@ -15,10 +15,10 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-import numpy as np
 
 from audit.checks.loaded import LoadedRegion, combine, device_region_flags, refusal
-from audit.recorder.binding import StateBinder, cache_tensors, host_bytes
+from audit.recorder.binding import StateBinder
+from audit.recorder.cachebytes import CacheBytes, host_bytes
 from audit.recorder.deny import DenyList
 
 _GROUP = re.compile(r"@group:(\d+)@")
@@ -58,7 +58,7 @@ class LoadGuard:
         self.deny = deny
         self.binder = binder
         self.regions: dict[int, list[list[LoadedRegion] | None]] = {}
-        self._storages: list[tuple[int, int, object]] = []  # CUDA: (base, nbytes, uint8 view of the storage)
+        self.memory = CacheBytes()  # the consumer's caches, described
         self.refusals = 0
 
     def describe(self, document: dict, kv_caches: dict, *, in_kernel: bool | None = None) -> None:
@@ -68,12 +68,7 @@ class LoadGuard:
         self.regions = group_regions(document)
         if self.binder is not None:
             self.binder.describe(document)
-        storages = {}
-        for tensor in cache_tensors(kv_caches):
-            if getattr(tensor, "is_cuda", False) if in_kernel is None else in_kernel:
-                storage = tensor.untyped_storage()
-                storages[storage.data_ptr()] = storage
-        self._storages = sorted((base, storage.nbytes(), _byte_view(storage)) for base, storage in storages.items())
+        self.memory = CacheBytes(kv_caches, in_kernel=in_kernel)
 
     def known(self, keys: Sequence[str]) -> dict[int, str]:
         """Keys refused without a read: index -> reason."""
@@ -91,7 +86,7 @@ class LoadGuard:
         loaded = [i for i, rc in enumerate(results) if rc is not None and rc >= 0]
         if not loaded:
             return {}
-        if self._storages:
+        if self.memory.storages:
             found = self._check_on_device(keys, addrs, sizes, loaded)
         else:
             found = {}
@@ -102,15 +97,9 @@ class LoadGuard:
                     found[index] = reason
         if self.binder is not None:  # layer 0: these weights' state, of the request's own tokens?
             unrefused = [index for index in loaded if index not in found]
-            found.update(self.binder.refusals(keys, unrefused, lambda i, s: self._segment_bytes(addrs[i][s], sizes[i][s])))
+            found.update(self.binder.refusals(keys, unrefused, lambda wanted: self.memory.of_segments(
+                addrs, sizes, wanted)))
         return found
-
-    def _segment_bytes(self, address: int, size: int) -> np.ndarray:
-        """A loaded segment's bytes on the host (copied from the device where the caches live there)."""
-        if not self._storages:
-            return host_bytes(address, size)
-        base, _, view = self._storages[self._storage_of(address)]
-        return view[address - base:address - base + size].cpu().numpy()
 
     def _regions_of(self, key: str) -> list[list[LoadedRegion] | None] | None:
         match = _GROUP.search(key)
@@ -125,8 +114,8 @@ class LoadGuard:
         for value, index in enumerate(loaded):
             described = self._regions_of(keys[index])
             for segment, (address, size) in enumerate(zip(addrs[index], sizes[index])):
-                slot = self._storage_of(address)
-                base = self._storages[slot][0]
+                slot = self.memory.storage_of(address)
+                base = self.memory.storages[slot][0]
                 regions = (described[segment] if described is not None and segment < len(described) else None) \
                     or [LoadedRegion(0, size, None, True)]
                 offsets, lengths, dtypes = per_storage.setdefault(slot, ([], [], []))
@@ -139,19 +128,7 @@ class LoadGuard:
                         dtypes.append(dtype)
                         states.append(state)
                         value_of.append(value)
-        flags_of = {slot: device_region_flags(self._storages[slot][2], *columns) for slot, columns in per_storage.items()}
+        flags_of = {slot: device_region_flags(self.memory.storages[slot][2], *columns) for slot, columns in per_storage.items()}
         flags = [flags_of[slot][position] for slot, position in order]
         verdicts = combine(flags, states, value_of, len(loaded))
         return {index: reason for index, reason in zip(loaded, verdicts) if reason is not None}
-
-    def _storage_of(self, address: int) -> int:
-        for slot, (base, nbytes, _) in enumerate(self._storages):
-            if base <= address < base + nbytes:
-                return slot
-        raise ValueError(f"address {address:#x} lies outside every KV-cache storage the guard knows")
-
-
-def _byte_view(storage):
-    import torch
-
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),))

@@ -19,7 +19,8 @@ import socket
 import time
 from contextlib import contextmanager
 
-from audit.recorder.binding import StateBinder, cache_tensors, host_bytes
+from audit.recorder.binding import StateBinder
+from audit.recorder.cachebytes import CacheBytes
 from audit.recorder.blocks import KeyBlocks, RegisteredRegions
 from audit.recorder.loads import current_request, hook_receiving_thread, note_refusal
 from audit.recorder.manifest import hook_store_worker
@@ -66,13 +67,15 @@ def recording_store_class(base: type, writer: RecordWriter, *, guard: bool = Fal
             hook_receiving_thread(required=load_guard is not None)
             self.audit_load_guard = load_guard() if load_guard is not None else None
             self.audit_put_binder: StateBinder | None = None  # set once the caches are described
+            self.audit_put_memory = CacheBytes()  # the caches puts read from (host or GPU memory)
 
         def audit_describe(self, document: dict, kv_caches: dict) -> None:
             """The process's own manifest (`audit.recorder.manifest`): the load guard's regions, and
-            with the put guard on host caches, what its layer-0 binding reads."""
+            with the put guard, what its layer-0 binding reads, and where (host or GPU memory)."""
             if self.audit_load_guard is not None:
                 self.audit_load_guard.describe(document, kv_caches)
-            if guard and not _on_device(kv_caches):
+            if guard:
+                self.audit_put_memory = CacheBytes(kv_caches)
                 self.audit_put_binder = StateBinder(writer.directory)
                 self.audit_put_binder.describe(document)
 
@@ -181,12 +184,12 @@ def recording_store_class(base: type, writer: RecordWriter, *, guard: bool = Fal
             return results
 
         def _audit_bind_puts(self, keys, segment_ptrs, segment_sizes, withheld) -> dict[int, str]:
-            """The put guard's layer-0 binding (host caches only): keys whose state is not of this
-            request's tokens or of these weights. A binding that fails publishes, logged."""
+            """The put guard's layer-0 binding: keys whose state is not of this request's tokens or
+            of these weights. A binding that fails publishes, logged."""
             try:
                 return self.audit_put_binder.refusals(
                     keys, [index for index in range(len(keys)) if index not in withheld],
-                    lambda index, segment: host_bytes(segment_ptrs[index][segment], segment_sizes[index][segment]))
+                    lambda wanted: self.audit_put_memory.of_segments(segment_ptrs, segment_sizes, wanted))
             except Exception:
                 logger.exception("mooncake-audit guard: cannot bind this put at layer 0; it is published")
                 return {}
@@ -201,12 +204,6 @@ def recording_store_class(base: type, writer: RecordWriter, *, guard: bool = Fal
 
     RecordingStore.__name__ = RecordingStore.__qualname__ = f"Recording{base.__name__}"
     return RecordingStore
-
-
-def _on_device(kv_caches: dict) -> bool:
-    """Whether any KV-cache tensor lives on a GPU (the put guard then binds nothing: it reads pages
-    through host addresses)."""
-    return any(getattr(tensor, "is_cuda", False) for tensor in cache_tensors(kv_caches))
 
 
 def _tenant_of(args: tuple, kwargs: dict) -> str:

@@ -47,8 +47,7 @@ def check_batch(batch: FetchedBatch, checker, plan: CheckPlan, evidence=None) ->
             records[i] = judge_readings(records[i], slot.key, batch.results[i], every_reading[i], layouts_of,
                                         plan.table_entry(slot.key))
         if plan.bindings is not None and plan.bindings.directories:  # the weights given: layer-0 binding
-            placed = (batch.buffer.array, [slot.offset for slot in batch.slots]) \
-                if isinstance(batch.buffer.array, np.ndarray) else None
+            placed = (batch.buffer.array, [slot.offset for slot in batch.slots])
             values = Values(readable, lambda i: batch.view(batch.slots[i], batch.slots[i].key.size), placed)
             bind_values(records, values, [readings.get(i) or ((layouts[i],) if layouts[i] is not None else ())
                                           for i in range(len(records))], plan.bindings)

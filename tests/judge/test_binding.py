@@ -8,14 +8,17 @@ import json
 
 import jsonschema
 import numpy as np
+import pytest
 
 from audit.judge.plan import load_layouts
 from audit.layouts.weights import token_images
 from audit.producers.vllm import vllm_key
+from audit.run.device import _gpu_visible, _mooncake_has_cuda
 from tests.helpers import report_schema, run_cli, tiny_mamba2_checkpoint
 
 MODEL = "m-tiny"
 FLAGS = ("--state-dtype", "float32", "--ssm-dtype", "float32")
+GPU_HOST = _mooncake_has_cuda() and _gpu_visible()
 
 
 def _value(layout, conv_rows: np.ndarray, rng) -> bytes:
@@ -224,19 +227,36 @@ def test_a_model_none_of_whose_keys_were_decoded_at_layer_0_is_not_bound(tmp_pat
     assert (summary["bound"], summary["not_bound"], summary["keys_decoded"]) == ([MODEL], {}, {MODEL: 1})
 
 
-def test_a_batchs_conv_rows_are_one_strided_copy_only_where_its_values_lie_evenly():
-    """`_evenly_placed`: values a fixed step apart in the batch's buffer give their region's bytes as
-    slicing each value would; values placed otherwise, or a region past the buffer, give None (sliced)."""
+@pytest.mark.parametrize("device", [None, "cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not GPU_HOST, reason="pins a GPU host: a batch in GPU memory"))])
+def test_a_batchs_conv_rows_are_gathered_as_slicing_each_value_would(device):
+    """`_gathered`: the members' region bytes, one after another, from the batch's buffer (host
+    memory: `device` None; a torch tensor on `device`, as a scan into GPU memory holds it): a strided
+    copy where the values lie a fixed step apart, a copy of each region where they do not (not a fixed
+    step, regions that would overlap, past the buffer's end), and from its values without a buffer."""
     from types import SimpleNamespace
 
-    from audit.judge.binding import _evenly_placed
+    from audit.judge.binding import Values, _gathered
 
-    buffer = np.arange(4096, dtype=np.uint64).view(np.uint8)[:30000]
+    host = np.arange(4096, dtype=np.uint64).view(np.uint8)[:30000]
+    if device is None:
+        buffer = host
+    else:
+        torch = pytest.importorskip("torch")
+        buffer = torch.from_numpy(host.copy()).to(device)
     region = SimpleNamespace(offset=40, length=96)
+
+    def gathered(offsets, members):
+        found = _gathered(Values(members, None, (buffer, offsets)), members, region)
+        assert isinstance(found, np.ndarray)
+        return found
+
+    def sliced(offsets, members):
+        return np.concatenate([host[offsets[i] + 40:offsets[i] + 136] for i in members])
+
     offsets = [0, 1024, 2048, 3072, 4096, 9000]
-    sliced = np.concatenate([buffer[offsets[i] + 40:offsets[i] + 136] for i in (1, 2, 3, 4)])
-    assert np.array_equal(_evenly_placed(buffer, offsets, [1, 2, 3, 4], region), sliced)
-    assert np.array_equal(_evenly_placed(buffer, offsets, [5], region), buffer[9040:9136])
-    assert _evenly_placed(buffer, offsets, [0, 1, 5], region) is None          # not a fixed step
-    assert _evenly_placed(buffer, [0, 50], [0, 1], region) is None             # regions would overlap
-    assert _evenly_placed(buffer, [0, 29950], [1], region) is None              # past the buffer's end
+    for at, members in ((offsets, [1, 2, 3, 4]), (offsets, [5]), (offsets, [0, 1, 5]), ([0, 50], [0, 1]),
+                        ([0, 29900], [0, 1])):
+        assert np.array_equal(gathered(at, members), sliced(at, members))
+    listed = Values.listed([host[:200], None, host[1000:1200]])
+    assert np.array_equal(_gathered(listed, [0, 2], region), np.concatenate([host[40:136], host[1040:1136]]))

@@ -7,6 +7,7 @@ reads them through their addresses); the real consumer is tests/e2e/test_consume
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from audit.keys import vllm_key
 from audit.layouts.weights import token_images
@@ -15,10 +16,12 @@ from audit.recorder.binding import StateBinder
 from audit.recorder.deny import DenyList
 from audit.recorder.guard import LoadGuard
 from audit.recorder.records import RecordWriter
+from audit.run.device import _gpu_visible, _mooncake_has_cuda
 from tests.helpers import tiny_mamba2_checkpoint
 
 MODEL = "m-tiny"
 SSM = (4, 8)
+GPU_HOST = _mooncake_has_cuda() and _gpu_visible()
 
 
 def _document(model_dir, columns: int) -> dict:
@@ -44,7 +47,11 @@ def _pages(conv_rows: list[np.ndarray], rng) -> list[np.ndarray]:
     return pages
 
 
-def test_the_guard_refuses_other_weights_and_other_prefixes_and_keeps_the_rest(tmp_path):
+@pytest.mark.parametrize("memory", ["host", "torch", pytest.param("cuda", marks=pytest.mark.skipif(
+    not GPU_HOST, reason="pins a GPU host: a consumer's caches in GPU memory"))])
+def test_the_guard_refuses_other_weights_and_other_prefixes_and_keeps_the_rest(tmp_path, memory):
+    """`memory`: the pages as host memory (read through their addresses), or as torch tensors on the
+    CPU (the GPU path's byte views and one copy a batch, the region kernel interpreted) or on a GPU."""
     ours, theirs = tmp_path / MODEL, tmp_path / "other" / MODEL
     tiny_mamba2_checkpoint(ours, seed=0)
     tiny_mamba2_checkpoint(theirs, seed=1)
@@ -61,11 +68,21 @@ def test_the_guard_refuses_other_weights_and_other_prefixes_and_keeps_the_rest(t
             mine.images([10, 11, 12]),   # healthy
             mine.images([13, 14, 15])]   # no record: judged on the weights alone
     pages = _pages(rows, np.random.default_rng(5))
-    addrs = [[pages[2 * v].ctypes.data, pages[2 * v + 1].ctypes.data] for v in range(len(keys))]
-    sizes = [[pages[2 * v].nbytes, pages[2 * v + 1].nbytes] for v in range(len(keys))]
+    caches = {}
+    if memory != "host":
+        torch = pytest.importorskip("torch")
+        if memory == "torch":
+            pytest.importorskip("triton")
+        caches = {f"page.{i}": torch.from_numpy(page).to("cpu" if memory == "torch" else "cuda")
+                  for i, page in enumerate(pages)}
+        pages = list(caches.values())
+    address = (lambda page: page.ctypes.data) if memory == "host" else (lambda page: page.data_ptr())
+    addrs = [[address(pages[2 * v]), address(pages[2 * v + 1])] for v in range(len(keys))]
+    sizes = [[len(pages[2 * v]), len(pages[2 * v + 1])] for v in range(len(keys))]
 
     guard = LoadGuard(DenyList(records, RecordWriter(records, stem="denied")), StateBinder(records))
-    guard.describe(_document(ours, mine.columns), {})
+    guard.describe(_document(ours, mine.columns), caches, in_kernel=True if memory == "torch" else None)
+    assert bool(guard.memory.storages) is (memory != "host")
     guard.binder.building.join(60)
     assert guard.binder.status == "bound", guard.binder.status
     found = guard.check(keys, addrs, sizes, [0] * len(keys))
@@ -76,7 +93,7 @@ def test_the_guard_refuses_other_weights_and_other_prefixes_and_keeps_the_rest(t
 def test_until_the_images_are_built_nothing_is_bound(tmp_path):
     binder = StateBinder(tmp_path)
     binder.layer0 = {0: None}  # described, images not ready: not one value judged
-    assert binder.refusals([vllm_key(MODEL, "ab")], [0], lambda i, s: 1 / 0) == {}
+    assert binder.refusals([vllm_key(MODEL, "ab")], [0], lambda wanted: 1 / 0) == {}
 
 
 def test_nothing_is_bound_where_the_weights_are_not_here(tmp_path):
@@ -87,12 +104,15 @@ def test_nothing_is_bound_where_the_weights_are_not_here(tmp_path):
     (tmp_path / MODEL / "model.safetensors").unlink()
     binder.describe(_document(tmp_path / MODEL, 8), background=False)  # a config, no weights
     assert binder.images is None and binder.status.startswith("not bound"), binder.status
-    assert binder.refusals([vllm_key(MODEL, "ab")], [0], lambda i, s: np.zeros(64, np.uint8)) == {}
+    assert binder.refusals([vllm_key(MODEL, "ab")], [0], lambda wanted: [np.zeros(64, np.uint8)] * len(wanted)) == {}
 
 
-def test_the_put_guard_withholds_what_the_load_guard_would_refuse(tmp_path):
-    """The producer's side (`MOONCAKE_AUDIT_GUARD=1`, caches on the host): the same two states are
-    withheld, with their reasons in the put records; the rest reach the put."""
+@pytest.mark.parametrize("device", ["host", pytest.param("cuda", marks=pytest.mark.skipif(
+    not GPU_HOST, reason="pins a GPU host: a producer's caches in GPU memory"))])
+def test_the_put_guard_withholds_what_the_load_guard_would_refuse(tmp_path, device):
+    """The producer's side (`MOONCAKE_AUDIT_GUARD=1`, caches in host or GPU memory): the same two
+    states are withheld, with their reasons in the put records; the rest reach the put. (The store
+    is a stand-in: only what reaches the put matters.)"""
     import json
 
     from audit.recorder.records import RecordWriter as Writer
@@ -117,12 +137,19 @@ def test_the_put_guard_withholds_what_the_load_guard_would_refuse(tmp_path):
         for layer in range(2):
             layers[layer][(value + 1) * page:(value + 2) * page] = pages[2 * value + layer]
 
+    caches, base = {}, [layer.ctypes.data for layer in layers]
+    if device == "cuda":
+        import torch
+
+        caches = {f"model.layers.{i}.mixer": torch.from_numpy(layer).cuda() for i, layer in enumerate(layers)}
+        base = [tensor.data_ptr() for tensor in caches.values()]
     store = recording_store_class(SpyStore, Writer(records), guard=True)()
-    for layer in layers:
-        store.register_buffer(layer.ctypes.data, layer.nbytes)
-    store.audit_describe(_document(ours, mine.columns), {})
+    for address in base:
+        store.register_buffer(address, len(layers[0]))
+    store.audit_describe(_document(ours, mine.columns), caches)
+    assert bool(store.audit_put_memory.storages) is (device == "cuda")
     store.audit_put_binder.building.join(60)
-    addrs = [[layer.ctypes.data + (value + 1) * page for layer in layers] for value in range(len(keys))]
+    addrs = [[address + (value + 1) * page for address in base] for value in range(len(keys))]
     results = store.batch_put_from_multi_buffers(keys, addrs, [[page, page]] * len(keys))
 
     assert results == [0, WITHHELD_RESULT, WITHHELD_RESULT, 0]

@@ -339,6 +339,6 @@ def test_the_kernel_path_of_the_guard_judges_a_batch_as_the_host_path_does(tmp_p
     for in_kernel in (True, False):
         guard = LoadGuard(DenyList(tmp_path / str(in_kernel), RecordWriter(tmp_path / str(in_kernel), stem="denied")))
         guard.describe(document, {"l.0": layers[0], "l.1": layers[1]}, in_kernel=in_kernel)
-        assert bool(guard._storages) is in_kernel
+        assert bool(guard.memory.storages) is in_kernel
         verdicts[in_kernel] = guard.check(keys, addrs, sizes, [8192] * 4)
     assert verdicts[True] == verdicts[False] == {2: "ZERO_STATE", 3: "NONFINITE"}

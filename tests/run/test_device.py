@@ -86,3 +86,36 @@ def test_numpy_and_triton_checkers_write_identical_reports(publisher, cli_args, 
     verdicts = sorted(tuple(r["verdicts"]) for r in by_numpy["keys"])
     assert verdicts == sorted([(), ("PARTIAL_ZERO",), ("NONFINITE",), ("ZERO_STATE",), ("SIZE_MISMATCH",),
                                ("SIZE_MISMATCH",)])
+
+
+@pytest.mark.skipif(not GPU_HOST or INTERPRETED, reason="pins a GPU host: values read into GPU memory")
+def test_binding_of_values_in_gpu_memory_writes_the_host_reports(publisher, cli_args, namespace, tmp_path):
+    """Layer-0 binding (`--model-config` with the checkpoint) of a scan into GPU memory, whose conv
+    rows are gathered on the GPU and copied to the host once a batch: the report of a scan into host
+    memory, a key of other weights and garbage flagged as WEIGHTS_MISMATCH alike."""
+    from audit.judge.plan import load_layouts
+    from audit.layouts.weights import token_images
+    from tests.helpers import tiny_mamba2_checkpoint
+    from tests.judge.test_binding import MODEL, _value as state_value
+
+    ours, theirs = tmp_path / MODEL, tmp_path / "other" / MODEL
+    tiny_mamba2_checkpoint(ours, seed=0)
+    tiny_mamba2_checkpoint(theirs, seed=1)
+    (layout,) = load_layouts(model_configs=[ours], state_dtype="float32", ssm_dtype="float32")
+    mine = token_images(ours, MODEL, 1, 0)
+    rng = np.random.default_rng(3)
+    rows = [mine.images(rng.integers(0, 32, 3)) for _ in range(40)]
+    rows += [token_images(theirs, MODEL, 1, 0).images([1, 2, 3]), rng.standard_normal((3, 24))]
+    for i, conv in enumerate(rows):
+        publisher.put(vllm_key(MODEL, f"{i:064x}", cache_prefix=namespace.rstrip("/")), state_value(layout, conv, rng))
+    args = [*cli_args, "--prefix", namespace.rstrip("/") + "@", "--model-config", str(ours), "--state-dtype",
+            "float32", "--ssm-dtype", "float32", "--all"]
+    _, on_host = scan_json(args, "--device", "cpu")
+    _, on_gpu = scan_json(args, "--device", "cuda")
+    assert on_gpu["summary"]["device"] == "cuda"
+    for document in (on_host, on_gpu):
+        for name in VOLATILE | {"device"}:
+            document["summary"].pop(name)
+    assert on_host == on_gpu
+    assert sorted(r["key"][-2:] for r in on_gpu["findings"]) == [f"{40:02x}", f"{41:02x}"]
+    assert on_gpu["summary"]["binding"]["keys_decoded"] == {MODEL: 42}

@@ -1,0 +1,76 @@
+"""Where the guards read a value's bytes: vLLM's KV caches, which the store reads from (a put) or
+writes into (a load). In host memory a page is read in place through its address; in GPU memory
+through byte views of the caches' storages, and what the host needs of a batch is copied once."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def cache_tensors(kv_caches: dict):
+    """Every tensor of vLLM's `kv_caches` (a layer's value is a tensor or a list of them)."""
+    for value in kv_caches.values():
+        yield from value if isinstance(value, (list, tuple)) else (value,)
+
+
+@functools.lru_cache(maxsize=64)
+def _byte_array(size: int) -> type:
+    return ctypes.c_uint8 * size
+
+
+def host_bytes(address: int, size: int) -> np.ndarray:
+    """`size` bytes of host memory at `address` (a KV-cache page), as a uint8 view: no copy."""
+    return np.frombuffer(_byte_array(size).from_address(address), dtype=np.uint8)
+
+
+class CacheBytes:
+    """The KV caches' bytes by address. `storages`: (base, bytes, uint8 view) of each storage in
+    GPU memory (or, with `in_kernel`, of every cache tensor: the Triton interpreter on CPU tensors,
+    as the tests run the kernel); empty where the caches are host memory."""
+
+    def __init__(self, kv_caches: dict | None = None, *, in_kernel: bool | None = None):
+        storages = {}
+        for tensor in cache_tensors(kv_caches or {}):
+            if getattr(tensor, "is_cuda", False) if in_kernel is None else in_kernel:
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage
+        self.storages = sorted((base, storage.nbytes(), _byte_view(storage)) for base, storage in storages.items())
+
+    def storage_of(self, address: int) -> int:
+        for slot, (base, nbytes, _) in enumerate(self.storages):
+            if base <= address < base + nbytes:
+                return slot
+        raise ValueError(f"address {address:#x} lies outside every KV-cache storage the guard knows")
+
+    def on_host(self, ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
+        """The bytes at each (address, length), in host memory: views of host caches; from GPU
+        memory, one copy to the host for all of them (one synchronisation a batch, not one a key)."""
+        if not self.storages:
+            return [host_bytes(address, length) for address, length in ranges]
+        import torch
+
+        pieces = []
+        for address, length in ranges:
+            base, _, view = self.storages[self.storage_of(address)]
+            pieces.append(view[address - base:address - base + length])
+        if not pieces:
+            return []
+        copied = torch.cat(pieces).cpu().numpy()
+        return np.split(copied, np.cumsum([len(piece) for piece in pieces[:-1]]).tolist())
+
+    def of_segments(self, addrs, sizes, wanted: list[tuple[int, int, int, int]]) -> list[np.ndarray]:
+        """For each (value, segment, offset, length) `wanted`, those bytes of the value's segment (at
+        `addrs[value][segment]`, of `sizes[value][segment]` bytes) in host memory, fewer where the
+        segment ends sooner: what `StateBinder.refusals` reads of a load or a put."""
+        return self.on_host([(addrs[i][s] + offset, max(0, min(length, sizes[i][s] - offset)))
+                             for i, s, offset, length in wanted])
+
+
+def _byte_view(storage):
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),))
