@@ -7,7 +7,7 @@ same config.json without it (no binding), interleaved, in one run.
     python -m benchmarks.binding                    # 160 keys of 9.7 MB (1.55 GB), 5 pairs
     python -m benchmarks.binding --keys 8 --runs 1  # a smoke run
     python -m benchmarks.binding --geometry small --keys 1000000 --runs 2 --no-fresh-probe  # a million keys
-    python -m benchmarks.binding --device cuda      # on a GPU host: values read into GPU memory
+    python -m benchmarks.binding --device cuda --before DIR  # on a GPU host, and DIR's scan beside it
 
 `--geometry small` is the same vocabulary and layer-0 rule on a one-layer Mamba2 of hidden 32 (values of
 a few hundred bytes), so that a million keys fit this machine: binding's per-key cost against a scan's.
@@ -130,6 +130,7 @@ def main() -> int:
     parser.add_argument("--fresh-probe", action=argparse.BooleanOptionalAction, default=True,
                         help="also time a scan that builds the probe afresh")
     parser.add_argument("--device", default="auto", help="the scans' --device (cuda: values read into GPU memory)")
+    parser.add_argument("--before", type=Path, help="a checkout whose scan with binding is timed too (\"binding, before\")")
     args = parser.parse_args()
     from audit.cluster import LocalCluster
 
@@ -154,17 +155,19 @@ def main() -> int:
                         "--output", str(Path(scratch) / out), "--device", args.device, *extra]
 
             cache = Path(scratch) / "cache"
-            arms = {"binding": (bound, ()), "binding and prefix records": (bound, ("--block-tables", str(records))),
-                    "binding, probe not kept": (bound, ()), "no binding": (unbound, ())}
+            arms = {"binding": (bound, (), ROOT), "binding and prefix records": (bound, ("--block-tables", str(records)), ROOT),
+                    "binding, probe not kept": (bound, (), ROOT), "no binding": (unbound, (), ROOT)}
             if not args.fresh_probe:
                 del arms["binding, probe not kept"]
+            if args.before is not None:
+                arms["binding, before"] = (bound, (), args.before.resolve())
             measured: dict[str, list[dict]] = {label: [] for label in arms}
             for round_ in range(args.runs + 1):  # the first round warms caches, unmeasured
                 order = list(arms.items())
-                for label, (model_dir, extra) in (order if round_ % 2 else order[::-1]):
+                for label, (model_dir, extra, root) in (order if round_ % 2 else order[::-1]):
                     kept = cache / (f"fresh-{round_}" if label == "binding, probe not kept" else "kept")
-                    result = run(command(model_dir, "report.json", *extra), {**env, "MOONCAKE_AUDIT_CACHE": str(kept)},
-                                 ROOT)
+                    result = run(command(model_dir, "report.json", *extra),
+                                 {**env, "PYTHONPATH": str(root), "MOONCAKE_AUDIT_CACHE": str(kept)}, root)
                     summary = json.loads((Path(scratch) / "report.json").read_text())["summary"]
                     assert summary["keys_scanned"] == args.keys and summary["findings"] == 0, summary
                     assert (summary.get("binding", {}).get("bound") == [NAME]) == (label != "no binding"), summary
