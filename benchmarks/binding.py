@@ -146,7 +146,8 @@ def main() -> int:
             size = publish(cluster, bound, args.keys, records)
             print(f"published {args.keys:,} keys of {size:,} B in {time.perf_counter() - started:.0f} s",
                   file=sys.stderr)
-            env = {**os.environ, "PYTHONPATH": str(ROOT)}
+            env, inherited = dict(os.environ), os.environ.get("PYTHONPATH")  # (a GPU host's bundle: its Mooncake)
+            env.pop("PYTHONDONTWRITEBYTECODE", None)  # every checkout runs from cached bytecode
 
             def command(model_dir: Path, out: str, *extra: str) -> list[str]:
                 return [sys.executable, "-m", "cli", "scan", "--master", cluster.master_address, "--metadata",
@@ -167,7 +168,8 @@ def main() -> int:
                 for label, (model_dir, extra, root) in (order if round_ % 2 else order[::-1]):
                     kept = cache / (f"fresh-{round_}" if label == "binding, probe not kept" else "kept")
                     result = run(command(model_dir, "report.json", *extra),
-                                 {**env, "PYTHONPATH": str(root), "MOONCAKE_AUDIT_CACHE": str(kept)}, root)
+                                 {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), inherited])),
+                                  "MOONCAKE_AUDIT_CACHE": str(kept)}, root)
                     summary = json.loads((Path(scratch) / "report.json").read_text())["summary"]
                     assert summary["keys_scanned"] == args.keys and summary["findings"] == 0, summary
                     assert (summary.get("binding", {}).get("bound") == [NAME]) == (label != "no binding"), summary
