@@ -167,10 +167,14 @@ def main() -> int:
                 order = list(arms.items())
                 for label, (model_dir, extra, root) in (order if round_ % 2 else order[::-1]):
                     kept = cache / (f"fresh-{round_}" if label == "binding, probe not kept" else "kept")
-                    result = run(command(model_dir, "report.json", *extra),
+                    report = Path(scratch) / "report.json"
+                    report.unlink(missing_ok=True)
+                    result = run(command(model_dir, report.name, *extra),
                                  {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), inherited])),
                                   "MOONCAKE_AUDIT_CACHE": str(kept)}, root)
-                    summary = json.loads((Path(scratch) / "report.json").read_text())["summary"]
+                    if not report.exists():
+                        raise SystemExit(f"{label}: no report (exit {result['code']}): {result['stderr'][-800:]}")
+                    summary = json.loads(report.read_text())["summary"]
                     assert summary["keys_scanned"] == args.keys and summary["findings"] == 0, summary
                     assert (summary.get("binding", {}).get("bound") == [NAME]) == (label != "no binding"), summary
                     if extra:  # every key's hash has its record, and every state held its tokens

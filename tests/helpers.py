@@ -13,6 +13,21 @@ from cli import app
 
 
 @lru_cache
+def gpu_host() -> bool:
+    """A GPU this process can use, and the CUDA build of Mooncake (values read into GPU memory)."""
+    from audit.run.device import _gpu_visible, _mooncake_has_cuda
+
+    return _mooncake_has_cuda() and _gpu_visible()
+
+
+def interpreted() -> bool:
+    """Triton's kernels run under the interpreter, on host memory (tests/conftest.py: no GPU here)."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@lru_cache
 def report_schema() -> dict:
     return json.loads(resources.files("audit").joinpath("schemas/report.schema.json").read_text())
 

@@ -156,26 +156,30 @@ triton_checker = pytest.importorskip("audit.checks.triton")
 
 
 def _triton():
+    """The Triton checker where this host runs its kernel (interpreted on host memory, or on a GPU),
+    and how a host buffer is placed there."""
     import torch
 
-    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return triton_checker.TritonChecker("cpu"), lambda buffer: buffer
+    if not torch.cuda.is_available():
         pytest.skip("TRITON_INTERPRET is off and there is no GPU")
-    return triton_checker.TritonChecker("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
+    return triton_checker.TritonChecker("cuda"), lambda buffer: torch.from_numpy(buffer).cuda()
 
 
 @pytest.mark.parametrize("shared", [True, False])
 def test_the_kernel_checks_every_reading_in_one_pass_bit_for_bit(shared):
     """Small sizes: the interpreter checks about a megabyte a second."""
-    checker = _triton()
+    checker, placed = _triton()
     for seed in range(3):
         buffer, items = _batch(100 + seed, 6, 700, shared)
-        assert checker.check_readings(buffer, items) == HostChecker().check_readings(buffer, items)
+        assert checker.check_readings(placed(buffer), items) == HostChecker().check_readings(buffer, items)
 
 
 def test_the_kernel_hashes_shared_ranges_once_and_counts_both_dtypes_in_one_launch(monkeypatch):
     from audit.checks.kernels import launcher
 
-    checker = _triton()
+    checker, placed = _triton()
     kinds = ["state", "state", "padding"]
     bf16 = _layout([(2_048, "bfloat16"), (6_144, "bfloat16"), (1_024, "raw")], kinds)
     fp16 = _layout([(2_048, "float16"), (6_144, "float16"), (1_024, "raw")], kinds)
@@ -191,7 +195,7 @@ def test_the_kernel_hashes_shared_ranges_once_and_counts_both_dtypes_in_one_laun
         return real(buf, starts, lengths, dtypes, out)
 
     monkeypatch.setattr(launcher, "launch_region_kernel", launch)
-    (found,) = checker.check_readings(value, [(0, value.size, (bf16, fp16))])
+    (found,) = checker.check_readings(placed(value), [(0, value.size, (bf16, fp16))])
     assert found == (check_value_by_region(value, bf16), check_value_by_region(value, fp16))
     assert [(r.nan, r.inf) for r in found[0].regions] == [(0, 0), (0, 1), (0, 0)]
     assert [(r.nan, r.inf) for r in found[1].regions] == [(1, 0), (1, 0), (0, 0)]

@@ -13,12 +13,10 @@ import pytest
 from audit.judge.plan import load_layouts
 from audit.layouts.weights import token_images
 from audit.producers.vllm import vllm_key
-from audit.run.device import _gpu_visible, _mooncake_has_cuda
-from tests.helpers import report_schema, run_cli, tiny_mamba2_checkpoint
+from tests.helpers import gpu_host, report_schema, run_cli, tiny_mamba2_checkpoint
 
 MODEL = "m-tiny"
 FLAGS = ("--state-dtype", "float32", "--ssm-dtype", "float32")
-GPU_HOST = _mooncake_has_cuda() and _gpu_visible()
 
 
 def _value(layout, conv_rows: np.ndarray, rng) -> bytes:
@@ -228,7 +226,7 @@ def test_a_model_none_of_whose_keys_were_decoded_at_layer_0_is_not_bound(tmp_pat
 
 
 @pytest.mark.parametrize("device", [None, "cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not GPU_HOST, reason="pins a GPU host: a batch in GPU memory"))])
+    not gpu_host(), reason="pins a GPU host: a batch in GPU memory"))])
 def test_a_batchs_conv_rows_are_gathered_as_slicing_each_value_would(device):
     """`_gathered`: the members' region bytes, one after another, from the batch's buffer (host
     memory: `device` None; a torch tensor on `device`, as a scan into GPU memory holds it): a strided

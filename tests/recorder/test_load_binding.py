@@ -16,12 +16,10 @@ from audit.recorder.binding import StateBinder
 from audit.recorder.deny import DenyList
 from audit.recorder.guard import LoadGuard
 from audit.recorder.records import RecordWriter
-from audit.run.device import _gpu_visible, _mooncake_has_cuda
-from tests.helpers import tiny_mamba2_checkpoint
+from tests.helpers import gpu_host, interpreted, tiny_mamba2_checkpoint
 
 MODEL = "m-tiny"
 SSM = (4, 8)
-GPU_HOST = _mooncake_has_cuda() and _gpu_visible()
 
 
 def _document(model_dir, columns: int) -> dict:
@@ -47,8 +45,10 @@ def _pages(conv_rows: list[np.ndarray], rng) -> list[np.ndarray]:
     return pages
 
 
-@pytest.mark.parametrize("memory", ["host", "torch", pytest.param("cuda", marks=pytest.mark.skipif(
-    not GPU_HOST, reason="pins a GPU host: a consumer's caches in GPU memory"))])
+@pytest.mark.parametrize("memory", [
+    "host",
+    pytest.param("torch", marks=pytest.mark.skipif(not interpreted(), reason="CPU tensors through the kernel: the interpreter")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not gpu_host(), reason="pins a GPU host: a consumer's caches in GPU memory"))])
 def test_the_guard_refuses_other_weights_and_other_prefixes_and_keeps_the_rest(tmp_path, memory):
     """`memory`: the pages as host memory (read through their addresses), or as torch tensors on the
     CPU (the GPU path's byte views and one copy a batch, the region kernel interpreted) or on a GPU."""
@@ -108,7 +108,7 @@ def test_nothing_is_bound_where_the_weights_are_not_here(tmp_path):
 
 
 @pytest.mark.parametrize("device", ["host", pytest.param("cuda", marks=pytest.mark.skipif(
-    not GPU_HOST, reason="pins a GPU host: a producer's caches in GPU memory"))])
+    not gpu_host(), reason="pins a GPU host: a producer's caches in GPU memory"))])
 def test_the_put_guard_withholds_what_the_load_guard_would_refuse(tmp_path, device):
     """The producer's side (`MOONCAKE_AUDIT_GUARD=1`, caches in host or GPU memory): the same two
     states are withheld, with their reasons in the put records; the rest reach the put. (The store

@@ -28,9 +28,13 @@ from audit.recorder.guard import LoadGuard, group_regions
 from audit.recorder.plugin import RecorderSettings, install
 from audit.recorder.records import RecordWriter
 from audit.recorder.wrapper import REFUSED_RESULT
+from tests.helpers import gpu_host, interpreted
 from tests.recorder.test_recorder import ORIGINAL_STORE, KVProducer
 
 SEGMENT = 4096
+KERNEL_DEVICES = [  # where the guard's kernel path runs: CPU tensors under the interpreter, or a GPU
+    pytest.param("cpu", marks=pytest.mark.skipif(not interpreted(), reason="CPU tensors through the kernel: the interpreter")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not gpu_host() or interpreted(), reason="pins a GPU host"))]
 
 
 def keys_of(namespace: str, names: list[str], group: int = 0) -> list[str]:
@@ -217,7 +221,8 @@ def test_the_device_answer_equals_the_host_answer():
     assert combine(flags, states, value_of, len(cases)) == host
 
 
-def test_the_triton_kernel_flags_equal_the_host_checks():
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_the_triton_kernel_flags_equal_the_host_checks(device):
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
     from audit.checks.loaded import device_region_flags
@@ -225,7 +230,7 @@ def test_the_triton_kernel_flags_equal_the_host_checks():
     data = np.random.default_rng(5).normal(size=1024).astype(np.float32).view(np.uint8).copy()
     data[1024:2048] = 0
     data[2048 + 16:2048 + 20] = np.array([np.nan], np.float32).view(np.uint8)
-    buffer = torch.from_numpy(data)
+    buffer = torch.from_numpy(data).to(device)
     flags = device_region_flags(buffer, [0, 1024, 2048], [1024, 1024, 1024], ["float32", "float32", None])
     assert flags == [(False, False), (True, False), (False, False)]  # no dtype, no NaN test
     assert device_region_flags(buffer, [2048], [1024], ["float32"]) == [(False, True)]
@@ -317,10 +322,11 @@ def test_api_request_ids():
     assert loads_module.api_request_id("plain") == "plain" and loads_module.api_request_id(None) is None
 
 
-def test_the_kernel_path_of_the_guard_judges_a_batch_as_the_host_path_does(tmp_path):
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_the_kernel_path_of_the_guard_judges_a_batch_as_the_host_path_does(tmp_path, device):
     """The GPU path (`LoadGuard._check_on_device`: byte views of the caches' storages, every region of
-    a batch through the Triton kernel), run here by the interpreter on CPU tensors, refuses exactly
-    what the host path refuses."""
+    a batch through the Triton kernel), on a GPU or by the interpreter on CPU tensors, refuses exactly
+    what the host path refuses (reading the same pages, copied to the host where they are on a GPU)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
     rng = np.random.default_rng(11)
@@ -333,12 +339,12 @@ def test_the_kernel_path_of_the_guard_judges_a_batch_as_the_host_path_does(tmp_p
                                                    {"offset": 1024, "length": 2048, "dtype": "float32"}],
                             "segments": [{"block_len": 4096, "layer": f"l.{i}", "offset_in_page": 0} for i in range(2)]}]}
     keys = [f"m@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{i:04x}" for i in range(4)]
-    addrs = [[layer[page].data_ptr() for layer in layers] for page in range(4)]
     sizes = [[4096, 4096]] * 4
     verdicts = {}
-    for in_kernel in (True, False):
+    for in_kernel, pages in ((True, [layer.to(device) for layer in layers]), (False, layers)):
         guard = LoadGuard(DenyList(tmp_path / str(in_kernel), RecordWriter(tmp_path / str(in_kernel), stem="denied")))
-        guard.describe(document, {"l.0": layers[0], "l.1": layers[1]}, in_kernel=in_kernel)
+        guard.describe(document, {"l.0": pages[0], "l.1": pages[1]}, in_kernel=in_kernel if device == "cpu" else None)
         assert bool(guard.memory.storages) is in_kernel
+        addrs = [[layer[page].data_ptr() for layer in pages] for page in range(4)]
         verdicts[in_kernel] = guard.check(keys, addrs, sizes, [8192] * 4)
     assert verdicts[True] == verdicts[False] == {2: "ZERO_STATE", 3: "NONFINITE"}

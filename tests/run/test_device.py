@@ -14,17 +14,17 @@ import sys
 import numpy as np
 import pytest
 
-from audit.run.device import _gpu_visible, _mooncake_has_cuda, resolve_placement
+from audit.run.device import _mooncake_has_cuda, resolve_placement
 from audit.errors import AuditError
 from audit.keys import vllm_key
-from tests.helpers import scan_json
+from tests.helpers import gpu_host, interpreted, scan_json
 from tests.judge.test_verdicts import LAYOUT, TINY_MAMBA, _value
 
 VOLATILE = {"started_at", "finished_at", "duration_s", "bytes_per_s", "checker"}
 
 
-GPU_HOST = _mooncake_has_cuda() and _gpu_visible()
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+GPU_HOST = gpu_host()
+INTERPRETED = interpreted()
 
 
 def test_placement_defaults_and_refusals():

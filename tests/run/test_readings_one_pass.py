@@ -17,12 +17,12 @@ from audit.checks.host import HostChecker  # noqa: E402
 from audit.judge.key import judge_read  # noqa: E402
 from audit.judge.readings import combine_readings  # noqa: E402
 from audit.run import scan  # noqa: E402
-from tests.helpers import scan_json  # noqa: E402
+from tests.helpers import gpu_host, interpreted, scan_json  # noqa: E402
 from tests.judge.test_readings import _fill, _model_dir, _publish, _reading, _readings  # noqa: E402
 from tests.layouts.test_families import LLAMA_TINY, MAMBA2_TINY  # noqa: E402
 
 TIMES = ("started_at", "finished_at", "duration_s", "bytes_per_s")
-WHICH_CHECKER = ("checker",)  # the one line of a report that names the checker that wrote it
+WHICH_CHECKER = ("checker", "device")  # the lines of a report that name the checker that wrote it, and where
 
 
 def _per_reading_checks(self, buffer, items):
@@ -77,12 +77,16 @@ def ambiguous_store(publisher, namespace, tmp_path):
 
 @pytest.mark.parametrize("checker", ["numpy", "triton"])
 def test_one_pass_report_equals_the_per_reading_report(ambiguous_store, cli_args, namespace, monkeypatch, checker):
-    args = [*cli_args, "--prefix", namespace.rstrip("/"), *ambiguous_store, "--all", "--device", "cpu"]
-    code, report = scan_json(args, "--checker", checker)
+    """Triton where this host runs it: interpreted on host memory, or on its GPU."""
+    args = [*cli_args, "--prefix", namespace.rstrip("/"), *ambiguous_store, "--all"]
+    device = "cuda" if checker == "triton" and not interpreted() else "cpu"
+    if device == "cuda" and not gpu_host():
+        pytest.skip("Triton without its interpreter needs a GPU host")
+    code, report = scan_json(args, "--checker", checker, "--device", device)
     with monkeypatch.context() as patched:
         patched.setattr(HostChecker, "check_readings", _per_reading_checks)
         patched.setattr(scan, "judge_readings", _judged_under_every_reading)
-        reference_code, reference = scan_json(args, "--checker", "numpy")
+        reference_code, reference = scan_json(args, "--checker", "numpy", "--device", "cpu")
     assert (code, _comparable(report)) == (reference_code, _comparable(reference))
     assert report["summary"]["checker"] == checker
     # what the store holds, so the comparison can fail: both groups open, verdicts withheld and kept
