@@ -117,14 +117,14 @@ def refusal(segments: Sequence[np.ndarray], regions: Sequence[Sequence[LoadedReg
     return ZERO_STATE if state_zero else None
 
 
-def device_region_flags(buffer, offsets: Sequence[int], lengths: Sequence[int],
+def device_region_flags(views, slots: Sequence[int], offsets: Sequence[int], lengths: Sequence[int],
                         dtypes: Sequence[str | None]) -> list[tuple[bool, bool]]:
-    """(all zero, holds NaN/Inf) of each region ``buffer[offset:offset+length]`` of the CUDA uint8
-    tensor `buffer`, in one launch per dtype of the Triton region kernel
-    (`checks.kernels.check_regions`, bit-identical to the host checks)."""
-    from audit.checks.kernels import check_regions
+    """(all zero, holds NaN/Inf) of each region ``views[slot][offset:offset+length]`` of the CUDA
+    uint8 tensors `views` (a KV cache's storages), in one launch per dtype of the Triton region kernel
+    for all of them (`checks.kernels.check_regions_across`, bit-identical to the host checks)."""
+    from audit.checks.kernels import check_regions_across
 
-    results = check_regions(buffer, offsets, lengths, [d or "uint8" for d in dtypes])
+    results = check_regions_across(views, slots, offsets, lengths, [d or "uint8" for d in dtypes])
     return [(result.zero, bool(result.nan or result.inf)) for result in results]
 
 

@@ -106,11 +106,11 @@ class LoadGuard:
         return self.regions.get(int(match.group(1)) if match else 0)
 
     def _check_on_device(self, keys, addrs, sizes, loaded: list[int]) -> dict[int, str]:
-        """Every region of the batch, one kernel launch per storage and dtype; judged per value."""
-        per_storage: dict[int, tuple[list, list, list]] = {}
+        """Every region of the batch, in one kernel launch per dtype across the caches' storages;
+        judged per value."""
+        slots, offsets, lengths, dtypes = [], [], [], []
         states: list[bool] = []
         value_of: list[int] = []
-        order: list[tuple[int, int]] = []  # (storage, position there) of each region, in states' order
         for value, index in enumerate(loaded):
             described = self._regions_of(keys[index])
             for segment, (address, size) in enumerate(zip(addrs[index], sizes[index])):
@@ -118,17 +118,15 @@ class LoadGuard:
                 base = self.memory.storages[slot][0]
                 regions = (described[segment] if described is not None and segment < len(described) else None) \
                     or [LoadedRegion(0, size, None, True)]
-                offsets, lengths, dtypes = per_storage.setdefault(slot, ([], [], []))
                 for offset, length, dtype, state in regions:
                     length = min(length, size - offset)
                     if length > 0:
-                        order.append((slot, len(offsets)))
+                        slots.append(slot)
                         offsets.append(address - base + offset)
                         lengths.append(length)
                         dtypes.append(dtype)
                         states.append(state)
                         value_of.append(value)
-        flags_of = {slot: device_region_flags(self.memory.storages[slot][2], *columns) for slot, columns in per_storage.items()}
-        flags = [flags_of[slot][position] for slot, position in order]
+        flags = device_region_flags([view for _, _, view in self.memory.storages], slots, offsets, lengths, dtypes)
         verdicts = combine(flags, states, value_of, len(loaded))
         return {index: reason for index, reason in zip(loaded, verdicts) if reason is not None}

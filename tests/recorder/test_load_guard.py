@@ -231,9 +231,9 @@ def test_the_triton_kernel_flags_equal_the_host_checks(device):
     data[1024:2048] = 0
     data[2048 + 16:2048 + 20] = np.array([np.nan], np.float32).view(np.uint8)
     buffer = torch.from_numpy(data).to(device)
-    flags = device_region_flags(buffer, [0, 1024, 2048], [1024, 1024, 1024], ["float32", "float32", None])
+    flags = device_region_flags([buffer], [0] * 3, [0, 1024, 2048], [1024, 1024, 1024], ["float32", "float32", None])
     assert flags == [(False, False), (True, False), (False, False)]  # no dtype, no NaN test
-    assert device_region_flags(buffer, [2048], [1024], ["float32"]) == [(False, True)]
+    assert device_region_flags([buffer], [0], [2048], [1024], ["float32"]) == [(False, True)]
 
 
 # ---- the receiving thread ------------------------------------------------------------------------

@@ -87,15 +87,17 @@ def _check_on_host(data: np.ndarray, dtypes: tuple[str, ...]) -> tuple[RegionChe
 
 
 def _checked(buf: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray, readings: list[tuple[str, ...]],
-             kind: np.ndarray) -> tuple[list, list]:
+             kind: np.ndarray, piece=None) -> tuple[list, list]:
     """Region i read as each dtype of ``readings[kind[i]]``, its bytes read once for all of them:
     on the host (a tuple of RegionChecks per region there, None elsewhere), or in one launch per
-    set of counted dtypes: (counted dtypes, region indexes, the kernel's rows) per launch."""
+    set of counted dtypes: (counted dtypes, region indexes, the kernel's rows) per launch. The
+    kernel reads region i at ``buf``'s address plus ``offsets[i]``; ``piece(i)`` is its bytes as a
+    tensor (default: that slice of ``buf``)."""
     results: list = [None] * len(offsets)
     in_kernel = (lengths > xc.MIDSIZE_MAX) & (lengths % 8 == 0) & ((buf.data_ptr() + offsets) % 8 == 0)
     on_host = np.flatnonzero(~in_kernel)
     if len(on_host):  # one device-to-host copy for all of them
-        pieces = [buf[offsets[i]:offsets[i] + lengths[i]] for i in on_host]
+        pieces = [piece(i) if piece is not None else buf[offsets[i]:offsets[i] + lengths[i]] for i in on_host]
         host_bytes = torch.cat(pieces).cpu().numpy()
         ends = np.cumsum(lengths[on_host])
         for i, end in zip(on_host, ends):
@@ -157,16 +159,49 @@ def check_regions(
     offsets, lengths = _arrays(offsets, lengths)
     dtypes = list(dtypes)
     _validate(buf, offsets, lengths, dtypes)
+    return _each_as_one_dtype(*_checked(buf, offsets, lengths, *_one_dtype_each(dtypes)))
+
+
+def _one_dtype_each(dtypes: list[str]) -> tuple[list[tuple[str]], np.ndarray]:
+    """`_checked`'s readings and kinds for regions each read as one dtype."""
     names, inverse = np.unique(np.asarray(dtypes, dtype=object).astype(str), return_inverse=True)
     names = names.tolist()
     _known(set(names))
-    host, launched = _checked(buf, offsets, lengths, [(name,) for name in names], inverse.reshape(-1))
-    results = np.empty(len(offsets), dtype=object)
+    return [(name,) for name in names], inverse.reshape(-1)
+
+
+def _each_as_one_dtype(host: list, launched: list) -> list[RegionCheck]:
+    """`_checked`'s results of regions each read as one dtype: a RegionCheck each, in input order."""
+    results = np.empty(len(host), dtype=object)
     results[:] = [None if checks is None else checks[0] for checks in host]
     for counted, group, rows in launched:  # one dtype per region: a launch's rows share it
         dtype = counted[0] if counted else "raw"
         results[group] = list(map(make_region_check, *_head(rows), *_nan_inf(rows, counted, dtype)))
     return results.tolist()
+
+
+def check_regions_across(
+    views: Sequence[torch.Tensor], slots: Sequence[int], offsets: Sequence[int], lengths: Sequence[int],
+    dtypes: Sequence[str],
+) -> list[RegionCheck]:
+    """``check_regions`` of regions in several uint8 tensors on one device (a KV cache's storages, a
+    tensor a layer): region i is ``views[slots[i]][offsets[i]:offsets[i]+lengths[i]]``, checked
+    against its own view's bounds. The kernel takes them all in one launch per dtype, addressed from
+    the lowest view's start, not one launch per view: a launch costs a few hundred microseconds of
+    Python, and a batch's values span every layer."""
+    offsets, lengths = _arrays(offsets, lengths)
+    slots, dtypes = np.asarray(slots, dtype=np.int64).reshape(-1), list(dtypes)
+    if not len(views):
+        return []
+    for slot, view in enumerate(views):
+        mine = slots == slot
+        _validate(view, offsets[mine], lengths[mine], [dtypes[i] for i in np.flatnonzero(mine)])
+    anchor = min(views, key=lambda view: view.data_ptr())
+    if any(view.device != anchor.device for view in views):
+        raise ValueError("the views lie on more than one device")
+    starts = np.array([view.data_ptr() - anchor.data_ptr() for view in views], dtype=np.int64)[slots] + offsets
+    return _each_as_one_dtype(*_checked(anchor, starts, lengths, *_one_dtype_each(dtypes),
+                                        lambda i: views[slots[i]][offsets[i]:offsets[i] + lengths[i]]))
 
 
 def check_region_readings(
