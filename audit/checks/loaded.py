@@ -118,28 +118,25 @@ def refusal(segments: Sequence[np.ndarray], regions: Sequence[Sequence[LoadedReg
 
 
 def device_region_flags(views, slots: Sequence[int], offsets: Sequence[int], lengths: Sequence[int],
-                        dtypes: Sequence[str | None]) -> list[tuple[bool, bool]]:
-    """(all zero, holds NaN/Inf) of each region ``views[slot][offset:offset+length]`` of the CUDA
-    uint8 tensors `views` (a KV cache's storages), in one launch per dtype of the Triton region kernel
-    for all of them (`checks.kernels.check_regions_across`, bit-identical to the host checks)."""
-    from audit.checks.kernels import check_regions_across
+                        dtypes: Sequence[str | None]) -> tuple[np.ndarray, np.ndarray]:
+    """(all zero, holds NaN/Inf), as bool arrays, of each region ``views[slot][offset:offset+length]``
+    of the CUDA uint8 tensors `views` (a KV cache's storages), in one launch per dtype of the Triton
+    region kernel for all of them (`checks.kernels.region_flags_across`, bit-identical to the host
+    checks)."""
+    from audit.checks.kernels import region_flags_across
 
-    results = check_regions_across(views, slots, offsets, lengths, [d or "uint8" for d in dtypes])
-    return [(result.zero, bool(result.nan or result.inf)) for result in results]
+    return region_flags_across(views, slots, offsets, lengths, [d or "uint8" for d in dtypes])
 
 
-def combine(flags: Sequence[tuple[bool, bool]], states: Sequence[bool], value_of: Sequence[int],
+def combine(zero: np.ndarray, nonfinite: np.ndarray, states: np.ndarray, value_of: np.ndarray,
             values: int) -> list[str | None]:
     """`refusal`'s answer for each of `values` values from its regions' flags (region i of value
-    ``value_of[i]``, a state region where ``states[i]``)."""
-    all_zero = [True] * values
-    state_zero = [False] * values
-    nonfinite = [False] * values
-    for (zero, bad), state, value in zip(flags, states, value_of):
-        if zero:
-            state_zero[value] |= state
-        else:
-            all_zero[value] = False
-            nonfinite[value] |= bad
-    return [NONFINITE if nonfinite[v] else ZERO_VALUE if all_zero[v] else ZERO_STATE if state_zero[v] else None
+    ``value_of[i]``, all zero where ``zero[i]``, holding NaN/Inf where ``nonfinite[i]``, a state
+    region where ``states[i]``), counted per value at once."""
+    zero, nonfinite, states = (np.asarray(a, dtype=bool) for a in (zero, nonfinite, states))
+    value_of = np.asarray(value_of, dtype=np.int64)
+    live = np.bincount(value_of, weights=~zero, minlength=values) > 0
+    state_zero = np.bincount(value_of, weights=zero & states, minlength=values) > 0
+    bad = np.bincount(value_of, weights=~zero & nonfinite, minlength=values) > 0
+    return [NONFINITE if bad[v] else ZERO_VALUE if not live[v] else ZERO_STATE if state_zero[v] else None
             for v in range(values)]

@@ -46,6 +46,16 @@ class CacheBytes:
                 return slot
         raise ValueError(f"address {address:#x} lies outside every KV-cache storage the guard knows")
 
+    def slots_of(self, addresses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`storage_of` of an array of addresses at once, and each one's storage base."""
+        bases = np.array([base for base, _, _ in self.storages], dtype=np.int64)
+        ends = bases + np.array([nbytes for _, nbytes, _ in self.storages], dtype=np.int64)
+        slots = np.searchsorted(bases, addresses, side="right") - 1
+        outside = (slots < 0) | (addresses >= ends[np.maximum(slots, 0)])
+        if outside.any():
+            raise ValueError(f"address {int(addresses[outside][0]):#x} lies outside every KV-cache storage the guard knows")
+        return slots, bases[slots]
+
     def on_host(self, ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
         """The bytes at each (address, length), in host memory: views of host caches; from GPU
         memory, one copy to the host for all of them (one synchronisation a batch, not one a key)."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+import numpy as np
+
 
 from audit.checks.loaded import LoadedRegion, combine, device_region_flags, refusal
 from audit.recorder.binding import StateBinder
@@ -22,6 +24,7 @@ from audit.recorder.cachebytes import CacheBytes, host_bytes
 from audit.recorder.deny import DenyList
 
 _GROUP = re.compile(r"@group:(\d+)@")
+_WHOLE = np.iinfo(np.int64).max  # a region's length that is its segment's (`_laid_out`)
 
 
 def group_regions(document: dict) -> dict[int, list[list[LoadedRegion] | None]]:
@@ -59,6 +62,7 @@ class LoadGuard:
         self.binder = binder
         self.regions: dict[int, list[list[LoadedRegion] | None]] = {}
         self.memory = CacheBytes()  # the consumer's caches, described
+        self._layouts: dict[tuple, tuple] = {}  # `_laid_out`'s, by (group's regions, segments)
         self.refusals = 0
 
     def describe(self, document: dict, kv_caches: dict, *, in_kernel: bool | None = None) -> None:
@@ -66,6 +70,7 @@ class LoadGuard:
         caches live on a GPU (or `in_kernel` says so: the Triton interpreter on CPU tensors), byte
         views of their storages for the kernel."""
         self.regions = group_regions(document)
+        self._layouts = {}
         if self.binder is not None:
             self.binder.describe(document)
         self.memory = CacheBytes(kv_caches, in_kernel=in_kernel)
@@ -101,32 +106,47 @@ class LoadGuard:
                 addrs, sizes, wanted)))
         return found
 
+    def _laid_out(self, described, segments: int) -> tuple:
+        """The regions of a value of `segments` segments whose group is `described`, as arrays
+        (segment, offset, length, dtype, state): a segment not described is one state region of
+        its own length (kept per group and segment count until the next `describe`)."""
+        ident = (id(described), segments)
+        if (found := self._layouts.get(ident)) is None:
+            rows = [(segment, *region) for segment in range(segments)
+                    for region in ((described[segment] if described is not None and segment < len(described) else None)
+                                   or [LoadedRegion(0, _WHOLE, None, True)])]
+            segment, offset, length, dtypes, states = zip(*rows)
+            found = self._layouts[ident] = (np.array(segment), np.array(offset, dtype=np.int64),
+                                            np.array(length, dtype=np.int64), np.array(dtypes, dtype=object),
+                                            np.array(states, dtype=bool))
+        return found
+
     def _regions_of(self, key: str) -> list[list[LoadedRegion] | None] | None:
         match = _GROUP.search(key)
         return self.regions.get(int(match.group(1)) if match else 0)
 
     def _check_on_device(self, keys, addrs, sizes, loaded: list[int]) -> dict[int, str]:
         """Every region of the batch, in one kernel launch per dtype across the caches' storages;
-        judged per value."""
-        slots, offsets, lengths, dtypes = [], [], [], []
-        states: list[bool] = []
-        value_of: list[int] = []
-        for value, index in enumerate(loaded):
+        judged per value. The regions are laid out as arrays a group of values at a time (its
+        values' segments share their regions), not a region at a time."""
+        of_shape: dict[tuple, list[int]] = {}  # (its group's regions, segments) -> positions in `loaded`
+        for position, index in enumerate(loaded):
             described = self._regions_of(keys[index])
-            for segment, (address, size) in enumerate(zip(addrs[index], sizes[index])):
-                slot = self.memory.storage_of(address)
-                base = self.memory.storages[slot][0]
-                regions = (described[segment] if described is not None and segment < len(described) else None) \
-                    or [LoadedRegion(0, size, None, True)]
-                for offset, length, dtype, state in regions:
-                    length = min(length, size - offset)
-                    if length > 0:
-                        slots.append(slot)
-                        offsets.append(address - base + offset)
-                        lengths.append(length)
-                        dtypes.append(dtype)
-                        states.append(state)
-                        value_of.append(value)
-        flags = device_region_flags([view for _, _, view in self.memory.storages], slots, offsets, lengths, dtypes)
-        verdicts = combine(flags, states, value_of, len(loaded))
+            of_shape.setdefault((id(described), len(addrs[index])), [described, []])[1].append(position)
+        columns: list[list] = [[], [], [], [], [], []]  # slots, offsets, lengths, dtypes, states, values
+        for described, positions in of_shape.values():
+            segment, offset, length, dtypes, states = self._laid_out(described, len(addrs[loaded[positions[0]]]))
+            address = np.array([addrs[loaded[p]] for p in positions], dtype=np.int64)[:, segment]  # (values, regions)
+            size = np.array([sizes[loaded[p]] for p in positions], dtype=np.int64)[:, segment]
+            slots, bases = self.memory.slots_of(address)
+            lengths = np.minimum(length, size - offset)
+            kept = lengths > 0
+            for column, values in zip(columns, (slots, address - bases + offset, lengths,
+                                                np.broadcast_to(dtypes, kept.shape), np.broadcast_to(states, kept.shape),
+                                                np.broadcast_to(np.array(positions)[:, None], kept.shape))):
+                column.append(values[kept])
+        slots, offsets, lengths, dtypes, states, value_of = (np.concatenate(column) for column in columns)
+        zero, nonfinite = device_region_flags([view for _, _, view in self.memory.storages], slots, offsets, lengths,
+                                              dtypes.tolist())
+        verdicts = combine(zero, nonfinite, states, value_of, len(loaded))
         return {index: reason for index, reason in zip(loaded, verdicts) if reason is not None}

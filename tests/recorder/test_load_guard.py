@@ -211,14 +211,17 @@ def test_the_device_answer_equals_the_host_answer():
                LoadedRegion(384, 128, None, False)]
     host = [refusal([page], [regions]) for _, page in cases]
     assert host == [None, "ZERO_STATE", "ZERO_VALUE", "NONFINITE", None]
-    flags, states, value_of = [], [], []
+    zero, nonfinite, states, value_of = [], [], [], []
     for value, (_, page) in enumerate(cases):
         for offset, length, dtype, state in regions:
             data = page[offset:offset + length]
-            flags.append((not data.any(), dtype == "float32" and not np.isfinite(data.view(np.float32)).all()))
+            zero.append(not data.any())
+            nonfinite.append(dtype == "float32" and not np.isfinite(data.view(np.float32)).all())
             states.append(state)
             value_of.append(value)
-    assert combine(flags, states, value_of, len(cases)) == host
+    assert combine(zero, nonfinite, states, value_of, len(cases)) == host
+    order = np.random.default_rng(4).permutation(len(zero))  # regions in any order: counted per value
+    assert combine(*(np.asarray(column)[order] for column in (zero, nonfinite, states, value_of)), len(cases)) == host
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -231,9 +234,10 @@ def test_the_triton_kernel_flags_equal_the_host_checks(device):
     data[1024:2048] = 0
     data[2048 + 16:2048 + 20] = np.array([np.nan], np.float32).view(np.uint8)
     buffer = torch.from_numpy(data).to(device)
-    flags = device_region_flags([buffer], [0] * 3, [0, 1024, 2048], [1024, 1024, 1024], ["float32", "float32", None])
-    assert flags == [(False, False), (True, False), (False, False)]  # no dtype, no NaN test
-    assert device_region_flags([buffer], [0], [2048], [1024], ["float32"]) == [(False, True)]
+    zero, nonfinite = device_region_flags([buffer], [0] * 3, [0, 1024, 2048], [1024, 1024, 1024],
+                                          ["float32", "float32", None])
+    assert (zero.tolist(), nonfinite.tolist()) == ([False, True, False], [False, False, False])  # no dtype, no NaN test
+    assert [a.tolist() for a in device_region_flags([buffer], [0], [2048], [1024], ["float32"])] == [[False], [True]]
 
 
 # ---- the receiving thread ------------------------------------------------------------------------
@@ -338,13 +342,16 @@ def test_the_kernel_path_of_the_guard_judges_a_batch_as_the_host_path_does(tmp_p
     document = {"groups": [{"group": 0, "states": [{"offset": 0, "length": 1024, "dtype": "float32"},
                                                    {"offset": 1024, "length": 2048, "dtype": "float32"}],
                             "segments": [{"block_len": 4096, "layer": f"l.{i}", "offset_in_page": 0} for i in range(2)]}]}
+    layers[0][1, :768] = 0                      # page 1, layer 0: conv and ssm zero, and so the whole page
     keys = [f"m@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{i:04x}" for i in range(4)]
-    sizes = [[4096, 4096]] * 4
+    # and keys of a group the manifest does not describe (each segment one state region): the same pages
+    keys += [f"m@tp_rank:0@pcp0@dcp0@pp_rank:0@group:9@{i:04x}" for i in range(4)]
+    sizes = [[4096, 4096]] * 8
     verdicts = {}
     for in_kernel, pages in ((True, [layer.to(device) for layer in layers]), (False, layers)):
         guard = LoadGuard(DenyList(tmp_path / str(in_kernel), RecordWriter(tmp_path / str(in_kernel), stem="denied")))
         guard.describe(document, {"l.0": pages[0], "l.1": pages[1]}, in_kernel=in_kernel if device == "cpu" else None)
         assert bool(guard.memory.storages) is in_kernel
-        addrs = [[layer[page].data_ptr() for layer in pages] for page in range(4)]
-        verdicts[in_kernel] = guard.check(keys, addrs, sizes, [8192] * 4)
-    assert verdicts[True] == verdicts[False] == {2: "ZERO_STATE", 3: "NONFINITE"}
+        addrs = [[layer[page].data_ptr() for layer in pages] for page in range(4)] * 2
+        verdicts[in_kernel] = guard.check(keys, addrs, sizes, [8192] * 8)
+    assert verdicts[True] == verdicts[False] == {1: "ZERO_STATE", 2: "ZERO_STATE", 3: "NONFINITE", 5: "ZERO_STATE"}

@@ -4,6 +4,6 @@ Importing this package compiles nothing, but decorates Triton kernels: set TRITO
 before importing it to run them on CPU tensors.
 """
 
-from audit.checks.kernels.launcher import check_region_readings, check_regions, check_regions_across
+from audit.checks.kernels.launcher import check_region_readings, check_regions, region_flags_across
 
-__all__ = ["check_region_readings", "check_regions", "check_regions_across"]
+__all__ = ["check_region_readings", "check_regions", "region_flags_across"]

@@ -62,11 +62,15 @@ def launch_region_kernel(
         )
 
 
-def _validate(buf: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray, dtypes: list) -> None:
+def _validate_tensor(buf: torch.Tensor) -> None:
     if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
         raise ValueError(f"buf must be a contiguous 1-D uint8 tensor, got {buf.dtype} {tuple(buf.shape)}")
     if buf.device.type == "cpu" and not isinstance(region_check_kernel, InterpretedFunction):
         raise ValueError("a CPU buffer needs TRITON_INTERPRET=1 set before audit.checks.kernels is imported")
+
+
+def _validate(buf: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray, dtypes: list) -> None:
+    _validate_tensor(buf)
     if not len(offsets) == len(lengths) == len(dtypes):
         raise ValueError("offsets, lengths and dtypes must have the same length")
     outside = (offsets < 0) | (lengths < 0) | (offsets + lengths > buf.numel())
@@ -180,28 +184,46 @@ def _each_as_one_dtype(host: list, launched: list) -> list[RegionCheck]:
     return results.tolist()
 
 
-def check_regions_across(
+def region_flags_across(
     views: Sequence[torch.Tensor], slots: Sequence[int], offsets: Sequence[int], lengths: Sequence[int],
     dtypes: Sequence[str],
-) -> list[RegionCheck]:
-    """``check_regions`` of regions in several uint8 tensors on one device (a KV cache's storages, a
-    tensor a layer): region i is ``views[slots[i]][offsets[i]:offsets[i]+lengths[i]]``, checked
-    against its own view's bounds. The kernel takes them all in one launch per dtype, addressed from
-    the lowest view's start, not one launch per view: a launch costs a few hundred microseconds of
-    Python, and a batch's values span every layer."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """(all zero, holds NaN or Inf as its dtype) of each region of several uint8 tensors on one
+    device (a KV cache's storages, a tensor a layer), as bool arrays: region i is
+    ``views[slots[i]][offsets[i]:offsets[i]+lengths[i]]``, checked against its own view's bounds.
+    The kernel takes them all in one launch per dtype, addressed from the lowest view's start, not
+    one launch per view (a launch costs a few hundred microseconds of Python, and a batch's values
+    span every layer); the answers stay arrays (what the load guard asks, region by region)."""
     offsets, lengths = _arrays(offsets, lengths)
     slots, dtypes = np.asarray(slots, dtype=np.int64).reshape(-1), list(dtypes)
-    if not len(views):
-        return []
-    for slot, view in enumerate(views):
-        mine = slots == slot
-        _validate(view, offsets[mine], lengths[mine], [dtypes[i] for i in np.flatnonzero(mine)])
+    zero, nonfinite = np.zeros(len(offsets), dtype=bool), np.zeros(len(offsets), dtype=bool)
+    if not len(offsets):
+        return zero, nonfinite
+    for view in views:  # each tensor's own kind; the regions' bounds below, at once
+        _validate_tensor(view)
+    if not len(slots) == len(offsets) == len(lengths) == len(dtypes):
+        raise ValueError("slots, offsets, lengths and dtypes must have the same length")
+    sizes = np.array([view.numel() for view in views], dtype=np.int64)[slots]
+    outside = (offsets < 0) | (lengths < 0) | (offsets + lengths > sizes)
+    if outside.any():
+        i = int(np.argmax(outside))
+        raise ValueError(f"region [{offsets[i]}, +{lengths[i]}) is outside its {sizes[i]}-byte buffer")
     anchor = min(views, key=lambda view: view.data_ptr())
     if any(view.device != anchor.device for view in views):
         raise ValueError("the views lie on more than one device")
     starts = np.array([view.data_ptr() - anchor.data_ptr() for view in views], dtype=np.int64)[slots] + offsets
-    return _each_as_one_dtype(*_checked(anchor, starts, lengths, *_one_dtype_each(dtypes),
-                                        lambda i: views[slots[i]][offsets[i]:offsets[i] + lengths[i]]))
+    readings, kind = _one_dtype_each(dtypes)
+    host, launched = _checked(anchor, starts, lengths, readings, kind,
+                              lambda i: views[slots[i]][offsets[i]:offsets[i] + lengths[i]])
+    for i, checks in enumerate(host):
+        if checks is not None:
+            zero[i], nonfinite[i] = checks[0].zero, bool(checks[0].nan or checks[0].inf)
+    for counted, group, rows in launched:  # one dtype per region: a launch's rows share it
+        zero[group] = rows[:, 1] != 0
+        if counted:
+            nan, inf = _nan_inf(rows, counted, counted[0])
+            nonfinite[group] = (np.asarray(nan) + np.asarray(inf)) > 0
+    return zero, nonfinite
 
 
 def check_region_readings(

@@ -119,30 +119,36 @@ def test_mixed_dtypes_offsets_and_paths_keep_input_order():
     assert_matches_reference(buf, offsets, lengths, dtypes)
 
 
-def test_regions_of_several_tensors_are_checked_in_one_launch_per_dtype(monkeypatch):
-    """`check_regions_across`: regions of several tensors (a KV cache's storage a layer), in input
-    order, each as the reference checks its own bytes, the kernel's in one launch per dtype for all
-    the tensors (addressed from the lowest one's start), the host's from their own tensor; a region
-    past its own tensor's end is refused even where another tensor's bytes follow."""
-    from audit.checks.kernels import check_regions_across
+def test_regions_of_several_tensors_are_flagged_in_one_launch_per_dtype(monkeypatch):
+    """`region_flags_across`: regions of several tensors (a KV cache's storage a layer), in input
+    order, each flagged (all zero; NaN or Inf) as the reference checks its own bytes, the kernel's
+    in one launch per dtype for all the tensors (addressed from the lowest one's start), the host's
+    from their own tensor; a region past its own tensor's end is refused even where another
+    tensor's bytes follow."""
+    from audit.checks.kernels import region_flags_across
 
     rng = np.random.default_rng(8)
     host = [rng.integers(0, 256, n, dtype=np.uint8) for n in (4096, 8192, 2048)]
     host[1][1024:3072] = 0
+    host[2][:1024] = np.ones(256, np.float32).view(np.uint8)
     host[2][8:12] = np.array([np.nan], np.float32).view(np.uint8)
+    host[0][1024:2048] = np.ones(512, np.float16).view(np.uint8)
     views = [torch.from_numpy(data).to(DEVICE) for data in host]
     regions = [(1, 0, 1024, "float32"), (0, 8, 2048, "raw"), (2, 0, 1024, "float32"), (1, 1024, 2048, "float32"),
-               (0, 3, 241, "bfloat16"), (2, 1024, 1024, "float32"), (1, 4096, 4096, "raw"), (0, 0, 100, "raw")]
+               (0, 3, 241, "bfloat16"), (0, 1024, 1024, "float16"), (1, 4096, 4096, "raw"), (0, 0, 100, "raw"),
+               (2, 1024, 1024, "float8_e4m3fn")]
     launches = []
     real = launcher.launch_region_kernel
     monkeypatch.setattr(launcher, "launch_region_kernel", lambda *args: (launches.append(args[3]), real(*args))[1])
-    found = check_regions_across(views, *map(list, zip(*regions)))
-    assert found == [reference(host[slot][offset:offset + length], dtype) for slot, offset, length, dtype in regions]
-    assert sorted(launches) == [(), ("float32",)]  # raw regions count nothing; every float32 one at once
-    assert found[3].zero and found[2].nan >= 1  # (what the reference says, so the comparison can fail)
+    zero, nonfinite = region_flags_across(views, *map(list, zip(*regions)))
+    expected = [reference(host[slot][offset:offset + length], dtype) for slot, offset, length, dtype in regions]
+    assert zero.tolist() == [check.zero for check in expected]
+    assert nonfinite.tolist() == [bool(check.nan or check.inf) for check in expected]
+    assert zero[3] and nonfinite[2] and not nonfinite[5]  # (so the comparison can fail both ways)
+    assert sorted(launches) == [(), ("float16",), ("float32",), ("float8_e4m3fn",)]  # each dtype's regions at once
     with pytest.raises(ValueError, match="outside"):
-        check_regions_across(views, [0], [4000], [1024], ["raw"])
-    assert check_regions_across([], [], [], [], []) == []
+        region_flags_across(views, [0], [4000], [1024], ["raw"])
+    assert [a.tolist() for a in region_flags_across([], [], [], [], [])] == [[], []]
 
 
 def test_unaligned_buffer_base_and_offsets():
