@@ -17,7 +17,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-
 from audit.checks.loaded import LoadedRegion, combine, device_region_flags, refusal
 from audit.recorder.binding import StateBinder
 from audit.recorder.cachebytes import CacheBytes, host_bytes
@@ -115,8 +114,8 @@ class LoadGuard:
             rows = [(segment, *region) for segment in range(segments)
                     for region in ((described[segment] if described is not None and segment < len(described) else None)
                                    or [LoadedRegion(0, _WHOLE, None, True)])]
-            segment, offset, length, dtypes, states = zip(*rows)
-            found = self._layouts[ident] = (np.array(segment), np.array(offset, dtype=np.int64),
+            segment, offset, length, dtypes, states = zip(*rows) if rows else ((),) * 5  # (no segment: no region)
+            found = self._layouts[ident] = (np.array(segment, dtype=np.int64), np.array(offset, dtype=np.int64),
                                             np.array(length, dtype=np.int64), np.array(dtypes, dtype=object),
                                             np.array(states, dtype=bool))
         return found
@@ -129,7 +128,7 @@ class LoadGuard:
         """Every region of the batch, in one kernel launch per dtype across the caches' storages;
         judged per value. The regions are laid out as arrays a group of values at a time (its
         values' segments share their regions), not a region at a time."""
-        of_shape: dict[tuple, list[int]] = {}  # (its group's regions, segments) -> positions in `loaded`
+        of_shape: dict[tuple, list] = {}  # (its group's regions, segments) -> [those regions, positions in `loaded`]
         for position, index in enumerate(loaded):
             described = self._regions_of(keys[index])
             of_shape.setdefault((id(described), len(addrs[index])), [described, []])[1].append(position)
