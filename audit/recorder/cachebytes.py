@@ -40,14 +40,8 @@ class CacheBytes:
                 storages[storage.data_ptr()] = storage
         self.storages = sorted((base, storage.nbytes(), _byte_view(storage)) for base, storage in storages.items())
 
-    def storage_of(self, address: int) -> int:
-        for slot, (base, nbytes, _) in enumerate(self.storages):
-            if base <= address < base + nbytes:
-                return slot
-        raise ValueError(f"address {address:#x} lies outside every KV-cache storage the guard knows")
-
     def slots_of(self, addresses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """`storage_of` of an array of addresses at once, and each one's storage base."""
+        """The storage (index into `storages`) of each of an array of addresses, and its base."""
         bases = np.array([base for base, _, _ in self.storages], dtype=np.int64)
         ends = bases + np.array([nbytes for _, nbytes, _ in self.storages], dtype=np.int64)
         slots = np.searchsorted(bases, addresses, side="right") - 1
@@ -63,12 +57,11 @@ class CacheBytes:
             return [host_bytes(address, length) for address, length in ranges]
         import torch
 
-        pieces = []
-        for address, length in ranges:
-            base, _, view = self.storages[self.storage_of(address)]
-            pieces.append(view[address - base:address - base + length])
-        if not pieces:
+        if not ranges:
             return []
+        slots, bases = self.slots_of(np.array([address for address, _ in ranges], dtype=np.int64))
+        pieces = [self.storages[slot][2][address - base:address - base + length]
+                  for (address, length), slot, base in zip(ranges, slots.tolist(), bases.tolist())]
         copied = torch.cat(pieces).cpu().numpy()
         return np.split(copied, np.cumsum([len(piece) for piece in pieces[:-1]]).tolist())
 

@@ -73,10 +73,16 @@ def _validate(buf: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray, dtype
     _validate_tensor(buf)
     if not len(offsets) == len(lengths) == len(dtypes):
         raise ValueError("offsets, lengths and dtypes must have the same length")
-    outside = (offsets < 0) | (lengths < 0) | (offsets + lengths > buf.numel())
+    _validate_bounds(offsets, lengths, buf.numel())
+
+
+def _validate_bounds(offsets: np.ndarray, lengths: np.ndarray, sizes) -> None:
+    """Every region within its buffer of `sizes` bytes (one size, or one per region)."""
+    outside = (offsets < 0) | (lengths < 0) | (offsets + lengths > sizes)
     if outside.any():
         i = int(np.argmax(outside))
-        raise ValueError(f"region [{offsets[i]}, +{lengths[i]}) is outside the {buf.numel()}-byte buffer")
+        size = sizes if np.ndim(sizes) == 0 else sizes[i]
+        raise ValueError(f"region [{offsets[i]}, +{lengths[i]}) is outside the {size}-byte buffer")
 
 
 def _known(dtypes: set) -> None:
@@ -163,10 +169,10 @@ def check_regions(
     offsets, lengths = _arrays(offsets, lengths)
     dtypes = list(dtypes)
     _validate(buf, offsets, lengths, dtypes)
-    return _each_as_one_dtype(*_checked(buf, offsets, lengths, *_one_dtype_each(dtypes)))
+    return _single_checks(*_checked(buf, offsets, lengths, *_single_readings(dtypes)))
 
 
-def _one_dtype_each(dtypes: list[str]) -> tuple[list[tuple[str]], np.ndarray]:
+def _single_readings(dtypes: list[str]) -> tuple[list[tuple[str]], np.ndarray]:
     """`_checked`'s readings and kinds for regions each read as one dtype."""
     names, inverse = np.unique(np.asarray(dtypes, dtype=object).astype(str), return_inverse=True)
     names = names.tolist()
@@ -174,7 +180,7 @@ def _one_dtype_each(dtypes: list[str]) -> tuple[list[tuple[str]], np.ndarray]:
     return [(name,) for name in names], inverse.reshape(-1)
 
 
-def _each_as_one_dtype(host: list, launched: list) -> list[RegionCheck]:
+def _single_checks(host: list, launched: list) -> list[RegionCheck]:
     """`_checked`'s results of regions each read as one dtype: a RegionCheck each, in input order."""
     results = np.empty(len(host), dtype=object)
     results[:] = [None if checks is None else checks[0] for checks in host]
@@ -203,16 +209,12 @@ def region_flags_across(
         _validate_tensor(view)
     if not len(slots) == len(offsets) == len(lengths) == len(dtypes):
         raise ValueError("slots, offsets, lengths and dtypes must have the same length")
-    sizes = np.array([view.numel() for view in views], dtype=np.int64)[slots]
-    outside = (offsets < 0) | (lengths < 0) | (offsets + lengths > sizes)
-    if outside.any():
-        i = int(np.argmax(outside))
-        raise ValueError(f"region [{offsets[i]}, +{lengths[i]}) is outside its {sizes[i]}-byte buffer")
+    _validate_bounds(offsets, lengths, np.array([view.numel() for view in views], dtype=np.int64)[slots])
     anchor = min(views, key=lambda view: view.data_ptr())
     if any(view.device != anchor.device for view in views):
         raise ValueError("the views lie on more than one device")
     starts = np.array([view.data_ptr() - anchor.data_ptr() for view in views], dtype=np.int64)[slots] + offsets
-    readings, kind = _one_dtype_each(dtypes)
+    readings, kind = _single_readings(dtypes)
     host, launched = _checked(anchor, starts, lengths, readings, kind,
                               lambda i: views[slots[i]][offsets[i]:offsets[i] + lengths[i]])
     for i, checks in enumerate(host):
