@@ -5,8 +5,8 @@ of the last ``d_conv - 1`` tokens before its boundary (FACTS §11): each of its 
 one token; so is each token's V in an attention page (`region` "v"). A family's module says which
 tensors make that image and which columns a TP rank holds (`Family.token_images`); this module holds
 the arithmetic they share (`audit.layouts.weights` finds a model directory's rule). The image is
-``n @ weight.T`` over the rank's columns, ``n = rmsnorm(embed[t] * scale)``; a gated rule (ShortConv's
-``B * x``) multiplies it by ``n @ gate.T`` column by column."""
+``n @ weight.T (+ bias)`` over the rank's columns, ``n = rmsnorm(embed[t] * scale)``; a gated rule
+(ShortConv's ``B * x``) multiplies it by ``n @ gate.T`` column by column."""
 
 from __future__ import annotations
 
@@ -56,9 +56,14 @@ class TokenImages:
     weight: np.ndarray              # (columns, hidden): the rank's rows of the input projection
     embedding_scale: float = 1.0
     gate: np.ndarray | None = None  # (columns, hidden): a second projection the image is multiplied by
+    bias: np.ndarray | None = None  # (columns,): the projection's bias (Qwen2's qkv_bias), added after it
     region: str = "conv"            # which layer-0 rows are images: "conv" (a conv state's), "v" (attention's V)
     source: dict = field(default_factory=dict)  # which tensors, for the report
     checkpoint: str = ""            # the checkpoint's identity (`Checkpoint.identity`): the probe's cache key
+
+    def __post_init__(self):
+        if self.gate is not None and self.bias is not None:
+            raise ValueError("a gated image with a bias has no table rule")
 
     @property
     def vocab_size(self) -> int:
@@ -72,6 +77,8 @@ class TokenImages:
         """Every column of the tokens' images, computed from the checkpoint."""
         normed = self._normed(self.embeddings.rows(np.asarray(tokens)))
         projected = normed @ self.weight.T
+        if self.bias is not None:
+            projected += self.bias
         return projected if self.gate is None else projected * (normed @ self.gate.T)
 
     def checked_images(self, tokens) -> np.ndarray:
@@ -165,8 +172,9 @@ class TokenImages:
             return None
         # the projections' checked rows too: a scaling read from config.json (not a checkpoint file) is in them
         rows = hashlib.sha256(np.ascontiguousarray(self.weight[self.check_columns]).tobytes())
-        if self.gate is not None:
-            rows.update(np.ascontiguousarray(self.gate[self.check_columns]).tobytes())
+        for extra in (self.gate, self.bias):
+            if extra is not None:
+                rows.update(np.ascontiguousarray(extra[self.check_columns]).tobytes())
         key = json.dumps([self.checkpoint, self.tp_size, self.tp_rank, self.columns, self.check_columns.tolist(),
                           self.eps, self.embedding_scale, self.source, rows.hexdigest()], sort_keys=True)
         return cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.npy"
@@ -174,7 +182,7 @@ class TokenImages:
     def _build_table(self) -> np.ndarray:
         """The norm is a scalar per token, so the projections run on the raw embeddings, a block of
         the vocabulary at a time, and each row is divided by its token's RMS after (by its mean
-        square for a gated image: the scalar is in both factors)."""
+        square for a gated image: the scalar is in both factors); a bias is added last, unscaled."""
         norm = self.norm_weight if self.norm_weight is not None else 1
         weight = self.weight[self.check_columns] * norm
         gate = None if self.gate is None else self.gate[self.check_columns] * norm
@@ -189,4 +197,6 @@ class TokenImages:
                 norm_square = mean_square + np.float32(self.eps)
                 projected /= (np.sqrt(norm_square) if gate is None else norm_square)[:, None]
             table[first:first + len(block)] = projected
+        if self.bias is not None:
+            table += self.bias[self.check_columns]
         return table

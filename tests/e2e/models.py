@@ -31,6 +31,7 @@ class TinyModel:
     config_extra: dict = field(default_factory=dict)  # keys added to config.json after saving
     config_args: dict = field(default_factory=dict)   # overrides of the transformers config's arguments
     weight_renames: tuple = ()  # (old, new) substrings of saved tensor names: the names vLLM's loader reads
+    random_biases: bool = False  # biases drawn like the weights (transformers initialises them to zero)
 
 
 MODELS: dict[str, TinyModel] = {m.name: m for m in [
@@ -96,7 +97,18 @@ BINDING_MODELS: dict[str, TinyModel] = {m.name: m for m in [
     TinyModel("qwen3-next-tiny-gqa", "qwen3_next", "bfloat16", mamba=True, block_size=None,
               config_args={"linear_num_key_heads": 2, "linear_num_value_heads": 4}),
 ]}
-ALL_MODELS: dict[str, TinyModel] = {**MODELS, **TP2_MODELS, **NEW_FAMILY_MODELS, **LAYOUT_30_MODELS, **BINDING_MODELS}
+# Only in tests/e2e/test_binding_e2e.py (issue #40): attention models whose layer 0 vLLM computes
+# otherwise than Llama's: Qwen2's biased qkv_proj, Gemma 3's normalizer and 1 + w norm (layer 0
+# sliding), Granite's embedding multiplier, Phi-3's fused qkv_proj (TP 2). Head dim 64: the CPU attention's.
+ATTENTION_BINDING_MODELS: dict[str, TinyModel] = {m.name: m for m in [
+    TinyModel("qwen2-tiny", "qwen2", "bfloat16", mamba=False, block_size=32, random_biases=True),
+    TinyModel("gemma3-tiny", "gemma3_text", "bfloat16", mamba=False, block_size=32),
+    TinyModel("granite-tiny", "granite", "bfloat16", mamba=False, block_size=32),
+    TinyModel("phi3-tiny-kv2", "phi3", "bfloat16", mamba=False, block_size=32,
+              config_args={"num_key_value_heads": 2}),  # served at TP 2: a KV head a rank
+]}
+ALL_MODELS: dict[str, TinyModel] = {**MODELS, **TP2_MODELS, **NEW_FAMILY_MODELS, **LAYOUT_30_MODELS, **BINDING_MODELS,
+                                    **ATTENTION_BINDING_MODELS}
 
 
 def hf_config(model: TinyModel):
@@ -164,6 +176,18 @@ def hf_config(model: TinyModel):
                                   linear_allow_neg_eigval=False,
                                   layer_types=["linear_attention"] * 3 + ["full_attention"],
                                   max_position_embeddings=4096, **common)
+    attention = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1, max_position_embeddings=4096, **common)
+    if model.family == "qwen2":
+        return t.Qwen2Config(**attention)
+    if model.family == "gemma3_text":
+        return t.Gemma3TextConfig(**attention, head_dim=64, query_pre_attn_scalar=64, sliding_window=64,
+                                  layer_types=["sliding_attention", "full_attention"])
+    if model.family == "granite":
+        return t.GraniteConfig(**attention, embedding_multiplier=12.0, attention_multiplier=0.125,
+                               residual_multiplier=0.22, logits_scaling=8.0)
+    if model.family == "phi3":
+        return t.Phi3Config(**{**attention, **model.config_args})
     raise ValueError(model.family)
 
 
@@ -180,8 +204,8 @@ def make(model: TinyModel, out: Path) -> Path:
     dtype = getattr(torch, model.dtype)
     net = t.AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():  # random weights small enough that activations stay finite over 2-4 layers
-        for parameter in net.parameters():
-            if parameter.dim() >= 2:
+        for name, parameter in net.named_parameters():
+            if parameter.dim() >= 2 or (model.random_biases and name.endswith(".bias")):
                 parameter.normal_(0.0, 0.05)
     net.save_pretrained(path, safe_serialization=True)
     if model.weight_renames:

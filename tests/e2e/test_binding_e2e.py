@@ -33,6 +33,10 @@ two groups, Zamba2, Falcon-H1 with and without muP multipliers) and LFM2 (ShortC
   PREFIX_MISMATCH, alone, and a guarded consumer (``MOONCAKE_AUDIT_LOAD_GUARD=1``, ``"recompute"``)
   of the producer's prompts refuses that block alone, keeps every other hit, and answers as the
   producer (cold, on an empty store) did.
+- The attention models whose layer 0 vLLM computes otherwise (Qwen2's biased V, Gemma 3's
+  normalizer and ``1 + w`` norm with a sliding layer 0, Granite's embedding multiplier, Phi-3's fused
+  ``qkv_proj`` at TP 2): the same V-row, scan, record and put-guard tests; each against another
+  checkpoint; Qwen2's guarded consumer as Llama's.
 """
 
 from __future__ import annotations
@@ -83,10 +87,15 @@ CASES = {case.name: case for case in [
 ]}
 
 
-# Pure attention (Llama, block 32): layer 0's V rows of each block are the images of its own tokens.
+# Pure attention (block 32): layer 0's V rows of each block are the images of its own tokens. Llama,
+# and the model types whose layer 0 vLLM computes otherwise (tests/e2e/models.py ATTENTION_BINDING_MODELS).
 ATTENTION_CASES = {case.name: case for case in [
     Case("llama-tp1", "llama-tiny", 1, None, 0.01, block=32),
     Case("llama-kv2-tp2", "llama-tiny-kv2", 2, None, 0.01, block=32),
+    Case("qwen2-bias-tp1", "qwen2-tiny", 1, None, 0.01, block=32),
+    Case("gemma3-tp1", "gemma3-tiny", 1, None, 0.01, block=32),
+    Case("granite-tp1", "granite-tiny", 1, None, 0.01, block=32),
+    Case("phi3-kv2-tp2", "phi3-tiny-kv2", 2, None, 0.01, block=32),
 ]}
 
 
@@ -278,7 +287,8 @@ def test_another_checkpoint_under_the_same_name_is_weights_mismatch(session, mod
 def test_every_attention_keys_layer0_v_rows_are_the_images_of_its_own_blocks_tokens(session, models_dir, observed,
                                                                                     name):
     """vLLM 0.32's CPU backend keeps a head's page as K of its block's tokens, then their V
-    (``cpu_attn.py``); each token's V over the rank's KV heads is its image under ``v_proj``."""
+    (``cpu_attn.py``); each token's V over the rank's KV heads is its image under ``v_proj``. With
+    sliding and full layers (Gemma 3) the keys of layer 0's KV cache group hold it, every one of them."""
     from audit.checks.floats import decode_floats
     from audit.layouts.weights import token_images
 
@@ -288,8 +298,10 @@ def test_every_attention_keys_layer0_v_rows_are_the_images_of_its_own_blocks_tok
     named = {hex_: (prompt, k) for prompt in result.prompts for hex_, k in block_hashes(prompt, block).items()}
     records = {r["key"]: r for r in result.scan.records}
     values = _values(result.config, result.keys)
+    held = _layer0_kv_keys(result)
+    assert {harness.key_fields(key)["group"] for key in held} == {harness.key_fields(key)["group"] for key in held[:1]}
     worst, ranks = 0.0, set()
-    for key in result.keys:
+    for key in held:
         fields = harness.key_fields(key)
         assert fields["hash"] in named, f"{key}: its hash is none of the prompts' block hashes"
         prompt, k = named[fields["hash"]]
@@ -301,25 +313,39 @@ def test_every_attention_keys_layer0_v_rows_are_the_images_of_its_own_blocks_tok
         rows = rows.transpose(1, 0, 2).reshape(block, images.columns).astype(np.float32)
         tokens = prompt[(k - 1) * block:k * block]
         worst, ranks = max(worst, _images_of(rows, tokens, images, result.case.exact, key)), ranks | {fields["tp_rank"]}
-    observed[name] = {"keys": len(result.keys), "block_size": result.block, "tp_ranks": sorted(ranks),
-                      "worst_row_distance": worst, "kv_dtype": region["dtype"]}
-    assert result.keys and ranks == set(range(result.case.tp))
+    observed[name] = {"keys": len(result.keys), "keys_holding_layer0": len(held), "block_size": result.block,
+                      "tp_ranks": sorted(ranks), "worst_row_distance": worst, "kv_dtype": region["dtype"]}
+    assert held and ranks == set(range(result.case.tp))
 
 
-def test_llama_keys_against_another_checkpoint_under_the_same_name_are_weights_mismatch(session, models_dir,
-                                                                                        observed):
-    """The TP 1 Llama's keys scanned with another checkpoint (other seed) under the same model name:
-    every key is WEIGHTS_MISMATCH, its V rows far from every image of those weights."""
-    result = produced(session, models_dir, "llama-tp1")
-    other = harness.make_model(session.root / "binding-llama-other-weights", result.case.model, seed=1)
+def _layer0_kv_keys(result: Produced) -> list[str]:
+    """The published keys whose values hold layer 0's KV (by the scan's layout), checked to be every
+    key of layer 0's KV cache group: all of them where one group holds every layer."""
+    records = {r["key"]: r for r in result.scan.records}
+    held = [key for key in result.keys
+            if any(r["layer"] == 0 and r["region"] == "kv" for r in records[key]["regions"])]
+    groups = {harness.key_fields(key)["group"] for key in held}
+    assert held == [key for key in result.keys if harness.key_fields(key)["group"] in groups], groups
+    return held
+
+
+@pytest.mark.parametrize("name", [name for name in ATTENTION_CASES if name != "llama-kv2-tp2"])
+def test_attention_keys_against_another_checkpoint_under_the_same_name_are_weights_mismatch(session, models_dir,
+                                                                                            observed, name):
+    """Each attention model's keys scanned with another checkpoint (other seed) under the same model
+    name: every key holding layer 0 is WEIGHTS_MISMATCH, its V rows far from every image of those
+    weights; no other key is flagged."""
+    result = produced(session, models_dir, name)
+    other = harness.make_model(session.root / f"binding-{name}-other-weights", result.case.model, seed=1)
     scan = harness.scan(result.config, result.cluster, "--model-config", str(other))
     assert scan.report is not None, f"exit {scan.rc}: {scan.stderr[-800:]}"
     flagged = scan.keys_with("WEIGHTS_MISMATCH")
     distances = [row["distance"] for record in scan.records if record["key"] in flagged
                  for row in record["evidence"]["weights_mismatch"]["rows"]]
-    observed["llama_other_weights"] = {"keys": len(result.keys), "flagged": len(flagged),
-                                       "row_distances": [min(distances), max(distances)] if distances else None}
-    assert flagged == set(result.keys) and scan.rc == 1
+    observed[f"{name}_other_weights"] = {"keys": len(result.keys), "flagged": len(flagged),
+                                         "row_distances": [min(distances), max(distances)] if distances else None}
+    assert flagged == set(_layer0_kv_keys(result)) and scan.rc == 1
+    assert {r["key"] for r in scan.report["findings"]} == flagged
     assert {r["evidence"]["weights_mismatch"]["region"] for r in scan.records if r["key"] in flagged} == {"v"}
     assert min(distances) > 0.05
 
@@ -406,22 +432,23 @@ def test_every_attention_block_has_its_own_tokens_record_and_the_put_guard_withh
     observed.setdefault("prefix_records", {})[name] = {
         "keys": len(result.keys), "hashes_recorded": len(recorded),
         "keys_prefix_checked": binding["prefix_records"]["keys_checked"], "flagged": sorted(scan.keys_with("PREFIX_MISMATCH"))}
-    assert binding["prefix_records"]["keys_checked"] == len(result.keys), binding
+    assert binding["prefix_records"]["keys_checked"] == len(_layer0_kv_keys(result)), binding
     assert [r for r in scan.report["findings"] if r["key"] in set(result.keys)] == [] and scan.rc == 0
 
 
-def test_a_guarded_llama_consumer_refuses_another_blocks_kv_and_keeps_every_other_hit(session, models_dir, observed):
-    """A Llama block replaced by another request's block (its own key gone): finite, of these
-    weights, PREFIX_MISMATCH in the scan; a guarded consumer of the producer's own prompts refuses
-    it alone as PREFIX_MISMATCH (its V rows are images of other tokens than its request's own for
-    that block), loads every other hit, recomputes, and answers as the producer did. One engine
-    more (a consumer of the tiny Llama at TP 1)."""
+@pytest.mark.parametrize("name", ["llama-tp1", "qwen2-bias-tp1"])
+def test_a_guarded_consumer_refuses_another_blocks_kv_and_keeps_every_other_hit(session, models_dir, observed, name):
+    """A block replaced by another request's block (its own key gone): finite, of these weights,
+    PREFIX_MISMATCH in the scan; a guarded consumer of the producer's own prompts refuses it alone
+    as PREFIX_MISMATCH (its V rows are images of other tokens than its request's own for that
+    block), loads every other hit, recomputes, and answers as the producer did. One engine more a
+    model (a consumer at TP 1): Llama, and Qwen2, whose V carries its bias."""
     import time
 
     from audit.connection import Settings
     from audit.workload import Publisher
 
-    result = produced(session, models_dir, "llama-tp1")
+    result = produced(session, models_dir, name)
     by_hash = {harness.key_fields(key)["hash"]: key for key in result.keys}
     first, second = (list(block_hashes(prompt, result.block)) for prompt in result.prompts[:2])
     victim, source = by_hash[first[1]], by_hash[second[1]]  # each prompt's second block
@@ -440,7 +467,7 @@ def test_a_guarded_llama_consumer_refuses_another_blocks_kv_and_keeps_every_othe
     flagged = {r["key"]: r["verdicts"] for r in scan.report["findings"] if r["key"] in set(result.keys)}
     assert flagged == {victim: ["PREFIX_MISMATCH"]} and scan.rc == 1, flagged
 
-    work = session.root / "binding-llama-tp1-guarded-consumer"
+    work = session.root / f"binding-{name}-guarded-consumer"
     started = time.monotonic()
     consumer = harness.run_engine(result.model_dir, result.config, [result.prompts], work, mamba=False,
                                   block_size=result.block, dtype=result.case.dtype, max_tokens=2,
@@ -450,7 +477,7 @@ def test_a_guarded_llama_consumer_refuses_another_blocks_kv_and_keeps_every_othe
              for line in path.read_text().splitlines() if line.strip()]
     refused = {r["key"]: r["reason"] for r in loads if r.get("refused")}
     kept = {r["key"] for r in loads if not r.get("refused") and isinstance(r.get("rc"), int) and r["rc"] >= 0}
-    observed["llama_guarded_consumer"] = {"refused": refused, "hits_kept": len(kept),
+    observed[f"{name.split('-')[0]}_guarded_consumer"] = {"refused": refused, "hits_kept": len(kept),
                                           "engine_s": round(time.monotonic() - started, 1)}
     assert refused.get(victim) == "PREFIX_MISMATCH" and set(refused.values()) <= {"PREFIX_MISMATCH", "DENIED"}
     assert set(refused) == {victim}, refused

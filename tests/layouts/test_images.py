@@ -227,14 +227,68 @@ def test_llama_v_images_are_each_ranks_kv_heads(tmp_path, monkeypatch, kv_heads,
         np.testing.assert_allclose(images.table[tokens], expected[:, images.check_columns], rtol=1e-4, atol=1e-6)
 
 
+def _v_rule_checkpoint(directory, rng, model_type: str, extra_config: dict | None = None, fused: bool = False,
+                       bias: bool = False) -> dict:
+    """The tiny Llama under another model type: its V projection fused into ``qkv_proj`` (Phi-3:
+    q rows, k rows, v rows) or biased (Qwen2), its config's scalings."""
+    tensors = llama_checkpoint(directory, rng, kv_heads=2, model_type=model_type)
+    v = tensors["model.layers.0.self_attn.v_proj.weight"]
+    if bias:
+        tensors["model.layers.0.self_attn.v_proj.bias"] = rng.standard_normal(len(v)).astype(np.float32)
+    if fused:
+        q_and_k = rng.standard_normal((4 * HEAD + 2 * HEAD, 8)).astype(np.float32)
+        tensors["model.layers.0.self_attn.qkv_proj.weight"] = np.concatenate([q_and_k, v])
+        del tensors["model.layers.0.self_attn.v_proj.weight"]
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **(extra_config or {})}))
+    write_safetensors(directory / "model.safetensors", tensors)
+    return tensors
+
+
+def _v_by_vllm_rule(tensors: dict, tokens: list[int], scale: float, plus_one: bool, eps: float, rank: int,
+                    tp: int) -> np.ndarray:
+    """vLLM 0.32 at layer 0 (``gemma.py``: ``embed_tokens(t) * normalizer``, GemmaRMSNorm's
+    ``x * rsqrt(mean(x^2) + eps) * (1 + w)``; ``granite.py``: ``*= embedding_multiplier``;
+    ``qwen2.py``: ``qkv_proj`` with its bias), then the rank's V shard of the 2 KV heads."""
+    norm = tensors["model.layers.0.input_layernorm.weight"]
+    h = tensors["model.embed_tokens.weight"][tokens] * np.float32(scale)
+    n = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * ((1 + norm) if plus_one else norm)
+    fused = tensors.get("model.layers.0.self_attn.qkv_proj.weight")
+    v = fused[6 * HEAD:] if fused is not None else tensors["model.layers.0.self_attn.v_proj.weight"]
+    shard = slice(rank * (2 // tp) * HEAD, (rank + 1) * (2 // tp) * HEAD)
+    bias = tensors.get("model.layers.0.self_attn.v_proj.bias", np.zeros(len(v), np.float32))
+    return (n @ v[shard].T + bias[shard]).astype(np.float32)
+
+
+@pytest.mark.parametrize("model_type, extra, scale, plus_one, fused, bias", [
+    ("qwen2", {}, 1.0, False, False, True),
+    ("gemma", {}, 8 ** 0.5, True, False, False),
+    ("gemma3_text", {}, 8 ** 0.5, True, False, False),
+    ("granite", {"embedding_multiplier": 12.0, "rms_norm_eps": 1.0}, 12.0, False, False, False),
+    ("phi3", {}, 1.0, False, True, False),
+])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_v_images_follow_each_model_types_layer0(tmp_path, monkeypatch, model_type, extra, scale, plus_one, fused,
+                                                  bias, tp):
+    # Granite's eps raised to 1: the embedding multiplier then changes the normed rows (RMSNorm
+    # alone would divide it out), so a rule that dropped it fails
+    monkeypatch.setenv("MOONCAKE_AUDIT_CACHE", str(tmp_path / "cache"))
+    tensors = _v_rule_checkpoint(tmp_path / model_type, np.random.default_rng(8), model_type, extra, fused, bias)
+    eps = extra.get("rms_norm_eps", 1e-5)
+    tokens = [0, 7, 31]
+    for rank in range(tp):
+        images = token_images(tmp_path / model_type, "m", tp, rank)
+        assert images.region == "v" and images.columns == 2 // tp * HEAD
+        expected = _v_by_vllm_rule(tensors, tokens, scale, plus_one, eps, rank, tp)
+        np.testing.assert_allclose(images.images(tokens), expected, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(images.table[tokens], expected[:, images.check_columns], rtol=1e-4, atol=1e-5)
+
+
 def test_attention_rules_not_proved_are_not_bound(tmp_path):
     rng = np.random.default_rng(7)
-    llama_checkpoint(tmp_path / "biased", rng, **{"model.layers.0.self_attn.v_proj.bias": np.zeros(8, np.float32)})
-    with pytest.raises(LayoutError, match="bias"):
-        token_images(tmp_path / "biased", "m", 1, 0)
-    llama_checkpoint(tmp_path / "gemma", rng, model_type="gemma")  # its normalizer and 1 + w norm
+    llama_checkpoint(tmp_path / "olmo2", rng, model_type="olmo2")  # vLLM 0.32's Transformers backend
     with pytest.raises(LayoutError, match="not bound"):
-        token_images(tmp_path / "gemma", "m", 1, 0)
+        token_images(tmp_path / "olmo2", "m", 1, 0)
     llama_checkpoint(tmp_path / "three", rng, kv_heads=3)
     with pytest.raises(LayoutError, match="shard"):
         token_images(tmp_path / "three", "m", 2, 0)

@@ -2,10 +2,14 @@
 
 The generic K/V layout of any config with attention fields only; a config with recurrent-state or
 latent fields that no family knows is refused rather than guessed (`is_plain_attention`). Layer 0's
-V of a Llama-like model is the image of its token (`_v_images`: issue #40's binding).
+V of a Llama-like, Gemma, Granite or Phi-3 model is the image of its token (`_v_images`: issue #40's
+binding).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -58,11 +62,29 @@ def _attention_only(config: dict, options: Options) -> list[Layout]:
     return build_layouts(config, options, ATTENTION, None, _attention_kinds(config, options.model_type))
 
 
-# Model types whose layer 0 vLLM computes as Llama does (``llama.py``; ``mixtral.py``, ``qwen2.py``,
-# ``qwen3.py``, ``qwen3_moe.py``, ``qwen2_moe.py``: no embedding scale, ``input_layernorm`` a plain
-# RMSNorm, V untouched by rotary or q/k norms) under the same tensor names. Gemma (normalizer, 1 + w
-# norm), Granite (embedding multiplier), Phi-3 (fused qkv_proj) and OLMo2 (no pre-norm) are not bound.
-V_IMAGE_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+@dataclass(frozen=True)
+class VImageRule:
+    """How vLLM 0.32 computes layer 0's attention input for a model type, up to ``qkv_proj``."""
+
+    norm: str | None = "plain"     # ``input_layernorm``: "plain" RMSNorm, "plus_one" (GemmaRMSNorm: 1 + w), None
+    embedding_scale: Callable[[dict], float] = lambda config: 1.0
+    fused_qkv: bool = False        # the checkpoint holds ``qkv_proj`` (q, k, v rows stacked), not ``v_proj``
+
+
+# ``llama.py`` and the model types vLLM computes the same way under the same tensor names
+# (``mistral``, ``mixtral``, ``qwen2``, ``qwen2_moe``, ``qwen3``, ``qwen3_moe``: q/k norms touch q and k
+# only; Qwen2's ``qkv_bias`` is added to V); ``gemma*.py``: the embeddings times ``normalizer``
+# (``hidden_size ** 0.5``), a GemmaRMSNorm; ``granite.py``: times ``embedding_multiplier``; ``phi3.py``
+# (a ``LlamaForCausalLM``) loads the fused ``qkv_proj`` whole. OLMo2 (no pre-norm) runs on vLLM's
+# Transformers backend in 0.32, not proved here: not bound.
+_PLAIN = VImageRule()
+_GEMMA = VImageRule(norm="plus_one", embedding_scale=lambda config: config_int(config, "hidden_size") ** 0.5)
+V_IMAGE_RULES = {
+    **dict.fromkeys(("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"), _PLAIN),
+    **dict.fromkeys(("gemma", "gemma2", "gemma3", "gemma3_text"), _GEMMA),
+    "granite": VImageRule(embedding_scale=lambda config: float(config.get("embedding_multiplier", 1.0))),
+    "phi3": VImageRule(fused_qkv=True),
+}
 
 
 def v_rows(total_kv_heads: int, head_size: int, tp_size: int, tp_rank: int) -> np.ndarray:
@@ -78,26 +100,35 @@ def v_rows(total_kv_heads: int, head_size: int, tp_size: int, tp_rank: int) -> n
 
 
 def _v_images(config: dict, checkpoint, model: str, tp_size: int, tp_rank: int) -> TokenImages:
-    """Layer 0's V (vLLM ``llama.py``): ``input_layernorm`` (RMSNorm) of the token's embedding, then
-    ``qkv_proj``'s v rows; rotary embedding touches q and k only, so each token's V, over the rank's
-    KV heads, is a linear image of the token. K is not bound (rotary at the token's position)."""
+    """Layer 0's V: the token's embedding (scaled), ``input_layernorm``, then ``qkv_proj``'s v rows
+    (and bias); rotary embedding and q/k norms touch q and k only, so each token's V, over the rank's
+    KV heads, is an image of the token (`V_IMAGE_RULES`). K is not bound (rotary at the token's position)."""
     model_type = config.get("model_type")
-    if model_type not in V_IMAGE_MODEL_TYPES:
+    rule = V_IMAGE_RULES.get(model_type)
+    if rule is None:
         raise LayoutError(f"model_type {model_type!r}: no layer-0 V image rule yet (not bound)")
-    v_proj = "model.layers.0.self_attn.v_proj.weight"
-    if v_proj.replace(".weight", ".bias") in checkpoint:
-        raise LayoutError(f"{v_proj}: a biased v_proj has no image rule yet (not bound)")
     size = head_dim(config)
-    weight = checkpoint.tensor(v_proj)
     total = first_int(config, "num_key_value_heads", "num_attention_heads")
-    if weight.shape[0] != total * size:
-        raise LayoutError(f"{v_proj} has {weight.shape[0]} rows, not {total} KV heads of {size}")
+    projection = "model.layers.0.self_attn." + ("qkv_proj" if rule.fused_qkv else "v_proj")
+    weight = checkpoint.tensor(projection + ".weight")
+    first = weight.shape[0] - total * size if rule.fused_qkv else 0  # q and k rows come first in qkv_proj
+    if first < 0 or (not rule.fused_qkv and weight.shape[0] != total * size):
+        raise LayoutError(f"{projection}.weight has {weight.shape[0]} rows, not {total} KV heads of {size}")
+    rows = first + v_rows(total, size, tp_size, tp_rank)
+    bias = (np.ascontiguousarray(checkpoint.tensor(projection + ".bias")[rows])
+            if projection + ".bias" in checkpoint else None)
     embeddings, norm = "model.embed_tokens.weight", "model.layers.0.input_layernorm.weight"
-    return TokenImages(model, tp_size, tp_rank, checkpoint.matrix(embeddings), checkpoint.tensor(norm),
-                       float(config.get("rms_norm_eps", 1e-6)),
-                       np.ascontiguousarray(weight[v_rows(total, size, tp_size, tp_rank)]),
-                       source={"embeddings": embeddings, "norm": norm, "projection": v_proj}, region="v",
-                       checkpoint=checkpoint.identity)
+    source = {"embeddings": embeddings, "projection": projection + ".weight" + (" (v rows)" if rule.fused_qkv else "")}
+    norm_weight = None if rule.norm is None else checkpoint.tensor(norm)
+    if norm_weight is not None:
+        norm_weight = 1 + norm_weight if rule.norm == "plus_one" else norm_weight
+        source["norm"] = norm + (" (1 + weight)" if rule.norm == "plus_one" else "")
+    if bias is not None:
+        source["bias"] = projection + ".bias"
+    return TokenImages(model, tp_size, tp_rank, checkpoint.matrix(embeddings), norm_weight,
+                       float(config.get("rms_norm_eps", 1e-6)), np.ascontiguousarray(weight[rows]),
+                       embedding_scale=rule.embedding_scale(config), bias=bias, source=source,
+                       region="v", checkpoint=checkpoint.identity)
 
 
 ATTENTION_ONLY = Family("attention", _attention_only, token_images=_v_images)
