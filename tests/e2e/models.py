@@ -96,6 +96,9 @@ BINDING_MODELS: dict[str, TinyModel] = {m.name: m for m in [
     # gives each rank one group
     TinyModel("qwen3-next-tiny-gqa", "qwen3_next", "bfloat16", mamba=True, block_size=None,
               config_args={"linear_num_key_heads": 2, "linear_num_value_heads": 4}),
+    # Qwen3.5's text model: flat in_proj_qkv (vLLM's gqa_interleaved_layout=False); 2 key heads, so
+    # TP 2 gives each rank its share of q, k and v
+    TinyModel("qwen3-5-tiny", "qwen3_5_text", "bfloat16", mamba=True, block_size=None),
 ]}
 # Only in tests/e2e/test_binding_e2e.py (issue #40): attention models whose layer 0 vLLM computes
 # otherwise than Llama's: Qwen2's biased qkv_proj, Gemma 3's normalizer and 1 + w norm (layer 0
@@ -176,6 +179,12 @@ def hf_config(model: TinyModel):
                                   linear_allow_neg_eigval=False,
                                   layer_types=["linear_attention"] * 3 + ["full_attention"],
                                   max_position_embeddings=4096, **common)
+    if model.family == "qwen3_5_text":
+        return t.Qwen3_5TextConfig(
+            hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
+            head_dim=64, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+            linear_num_key_heads=2, linear_num_value_heads=2,
+            layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=4096, **common)
     attention = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                      num_key_value_heads=1, max_position_embeddings=4096, **common)
     if model.family == "qwen2":

@@ -5,8 +5,9 @@ Runs, each one engine on a fresh cluster: the tiny Mamba2 of the harness (hidden
 n_groups 1, block 16) in float32 at TP 1 and TP 2 (the group replicated onto each rank), and its
 bfloat16 checkpoint served with dtype "auto" (conv state in bfloat16) at TP 1, five prompts each
 ending a few tokens after a boundary (vLLM 0.32 publishes one state per request, at its last
-boundary); and the hybrids whose layer 0 is a Mamba2 mixer (Nemotron-H, Granite 4.0 hybrid with its
-two groups, Zamba2, Falcon-H1 with and without muP multipliers) and LFM2 (ShortConv: its rows are
+boundary); and the hybrids whose layer 0 holds a conv state: a Mamba2 mixer (Nemotron-H, Granite 4.0
+hybrid with its two groups, Zamba2, Falcon-H1 with and without muP multipliers), a Gated DeltaNet
+(Qwen3-Next, Qwen3.5's flat ``in_proj_qkv`` at TP 2, OLMo Hybrid) or LFM2's ShortConv (its rows are
 ``B * x``), bfloat16, at the block vLLM chooses, prompts sized in it.
 
 - The differential test: layer 0's conv rows of every value that holds them are the images,
@@ -42,6 +43,7 @@ two groups, Zamba2, Falcon-H1 with and without muP multipliers) and LFM2 (ShortC
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -57,6 +59,7 @@ from tests.e2e.test_new_families_e2e import OLMO_CPU_ENV
 
 BLOCK = 16
 OBSERVED = Path(__file__).with_name("binding_observed.json")
+STUBS = Path(__file__).with_name("stubs")
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,7 @@ CASES = {case.name: case for case in [
     Case("qwen3-next-tp1", "qwen3-next-tiny", 1, None, 0.01, block=None, shares_clean=True),
     Case("olmo-hybrid-tp1", "olmo-hybrid-tiny", 1, "bfloat16", 0.01, block=None),
     Case("qwen3-next-gqa-tp2", "qwen3-next-tiny-gqa", 2, "bfloat16", 0.01, block=None),
+    Case("qwen3-5-tp2", "qwen3-5-tiny", 2, "bfloat16", 0.01, block=None),
 ]}
 
 
@@ -163,13 +167,23 @@ def _produce(session, models_dir: Path, case: Case) -> Produced:
         run = harness.run_engine(models_dir / case.model, config, [batch], records.parent,
                                  mamba=ALL_MODELS[case.model].mamba,
                                  block_size=case.block, dtype=case.dtype, tp=case.tp, max_tokens=2, drain=True,
-                                 record_dir=records, guard=case.name in ATTENTION_CASES, extra_env={OLMO_CPU_ENV: "1"}
-                                 if ALL_MODELS[case.model].family == "olmo_hybrid" else None)
+                                 record_dir=records, guard=case.name in ATTENTION_CASES,
+                                 extra_env=_engine_env(ALL_MODELS[case.model].family))
         keys = harness.published_keys(cluster, run)
     result = Produced(case, cluster, config, models_dir / case.model, keys, run.prompts[0], run.vllm["block_size"],
                       records, run)
     result.scan = harness.scan(config, cluster, "--model-config", str(result.model_dir))
     return result
+
+
+def _engine_env(family: str) -> dict | None:
+    """OLMo Hybrid's GDN core on the CPU op (the shim plugin); Qwen3.5's imports of torchvision
+    answered by tests/e2e/stubs (no CPU torchvision here; the text model never calls it)."""
+    if family == "olmo_hybrid":
+        return {OLMO_CPU_ENV: "1"}
+    if family == "qwen3_5_text":
+        return {"PYTHONPATH": os.pathsep.join(filter(None, [str(STUBS), os.environ.get("PYTHONPATH")]))}
+    return None
 
 
 def _values(config: Path, keys: list[str]) -> dict[str, bytes]:

@@ -66,6 +66,17 @@ def _olmo_hybrid_by_vllm(tensors: dict, tokens: list[int], tp: int, rank: int) -
     return (h @ np.concatenate(shards).T)[:, :(2 * KEY + VALUE) // tp]
 
 
+def _qwen3_5_by_vllm(tensors: dict, tokens: list[int], tp: int, rank: int, prefix: str = "model.") -> np.ndarray:
+    """GemmaRMSNorm (1 + weight); ``in_proj_qkv`` loaded as shards 0, 1, 2 of ``in_proj_qkvz``
+    (``gqa_interleaved_layout=False``: output sizes [key, key, value, value], the rank's share of
+    each); the conv input is the rank's q, k, v, in that order."""
+    embedded = {"model.embed_tokens.weight": tensors[prefix + "embed_tokens.weight"]}
+    h = _rmsnorm(embedded, tokens, 1 + tensors[prefix + "layers.0.input_layernorm.weight"])
+    q, k, v = np.split(tensors[prefix + "layers.0.linear_attn.in_proj_qkv.weight"], [KEY, 2 * KEY])
+    shards = [part[rank * len(part) // tp:(rank + 1) * len(part) // tp] for part in (q, k, v)]
+    return h @ np.concatenate(shards).T
+
+
 def qwen3_next_checkpoint(directory, seed: int = 0, **config) -> dict:
     rng = np.random.default_rng(seed)
     tensors = {"model.embed_tokens.weight": _random(rng, VOCAB, HIDDEN),
@@ -83,6 +94,31 @@ def olmo_hybrid_checkpoint(directory, seed: int = 0, **config) -> dict:
                   for name, rows in (("q_proj", KEY), ("k_proj", KEY), ("v_proj", VALUE), ("g_proj", VALUE))}}
     _model(directory, "olmo_hybrid", tensors, **config)
     return tensors
+
+
+def qwen3_5_checkpoint(directory, seed: int = 0, prefix: str = "model.", **config) -> dict:
+    """Qwen3.5's text model: flat ``in_proj_qkv`` (q, k, v rows) beside ``in_proj_z``; a released
+    (vision-language) checkpoint holds it under ``model.language_model.``."""
+    rng = np.random.default_rng(seed)
+    tensors = {prefix + "embed_tokens.weight": _random(rng, VOCAB, HIDDEN),
+               prefix + "layers.0.input_layernorm.weight": 0.1 * _random(rng, HIDDEN),
+               prefix + "layers.0.linear_attn.in_proj_qkv.weight": _random(rng, 2 * KEY + VALUE, HIDDEN),
+               prefix + "layers.0.linear_attn.in_proj_z.weight": _random(rng, VALUE, HIDDEN)}
+    _model(directory, "qwen3_5_text", tensors, **config)
+    return tensors
+
+
+@pytest.mark.parametrize("prefix", ["model.", "model.language_model."])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_qwen3_5_images_are_vllms_conv_inputs_per_rank(tmp_path, tp, prefix):
+    tensors = qwen3_5_checkpoint(tmp_path / "q", prefix=prefix)
+    tokens = [0, 5, 15, 5]
+    for rank in range(tp):
+        images = token_images(tmp_path / "q", "q", tp, rank)
+        assert images.columns == (2 * KEY + VALUE) // tp
+        np.testing.assert_allclose(images.images(tokens), _qwen3_5_by_vllm(tensors, tokens, tp, rank, prefix),
+                                   rtol=1e-5, atol=1e-5)
+    assert images.source["projection"].startswith(prefix + "layers.0.linear_attn.in_proj_qkv")
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -108,7 +144,7 @@ def test_olmo_hybrid_images_are_vllms_conv_inputs_per_rank(tmp_path, tp):
                                    rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("make", [qwen3_next_checkpoint, olmo_hybrid_checkpoint])
+@pytest.mark.parametrize("make", [qwen3_next_checkpoint, qwen3_5_checkpoint, olmo_hybrid_checkpoint])
 def test_the_table_holds_the_images_on_the_check_columns(tmp_path, monkeypatch, make):
     monkeypatch.setenv("MOONCAKE_AUDIT_CACHE", str(tmp_path / "cache"))
     make(tmp_path / "m")
@@ -117,18 +153,15 @@ def test_the_table_holds_the_images_on_the_check_columns(tmp_path, monkeypatch, 
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("make", [qwen3_next_checkpoint, olmo_hybrid_checkpoint])
+@pytest.mark.parametrize("make", [qwen3_next_checkpoint, qwen3_5_checkpoint, olmo_hybrid_checkpoint])
 def test_attention_at_layer_0_is_not_bound(tmp_path, make):
     make(tmp_path / "m", layer_types=["full_attention", "linear_attention"])
     with pytest.raises(LayoutError, match="layer 0 is attention"):
         token_images(tmp_path / "m", "m", 1, 0)
 
 
-def test_heads_that_do_not_shard_and_qwen3_5_are_not_bound(tmp_path):
-    qwen3_next_checkpoint(tmp_path / "q")
+@pytest.mark.parametrize("make", [qwen3_next_checkpoint, qwen3_5_checkpoint])
+def test_heads_that_do_not_shard_are_not_bound(tmp_path, make):
+    make(tmp_path / "q")
     with pytest.raises(LayoutError, match="shard"):
         token_images(tmp_path / "q", "q", 4, 0)
-    config = json.loads((tmp_path / "q" / "config.json").read_text())
-    (tmp_path / "q" / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_5_text"}))
-    with pytest.raises(LayoutError, match="not bound"):
-        token_images(tmp_path / "q", "q", 1, 0)

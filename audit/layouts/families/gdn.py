@@ -98,18 +98,25 @@ def _layer0_is_gdn(kinds: list, family: str) -> None:
 
 
 def _qwen_images(config: dict, checkpoint, model: str, tp_size: int, tp_rank: int) -> TokenImages:
-    """Qwen3-Next: layer 0's ``input_layernorm`` (vLLM's GemmaRMSNorm, which scales by 1 + weight),
-    then the q, k and v rows of ``in_proj_qkvz`` (`interleaved_qkv_columns`). Qwen3.5's flat
-    ``in_proj_qkv`` is not proved against a real vLLM yet: not bound."""
-    if config.get("model_type") != "qwen3_next":
-        raise LayoutError(f"model_type {config.get('model_type')!r}: no layer-0 image rule proved yet (not bound)")
-    _layer0_is_gdn(_qwen_kinds(config), "qwen3_next")
-    norm, in_proj = "model.layers.0.input_layernorm.weight", "model.layers.0.linear_attn.in_proj_qkvz.weight"
-    columns = interleaved_qkv_columns(config, tp_size, tp_rank)
-    return TokenImages(model, tp_size, tp_rank, checkpoint.matrix("model.embed_tokens.weight"),
+    """Qwen3-Next and Qwen3.5: layer 0's ``input_layernorm`` (vLLM's GemmaRMSNorm, which scales by
+    1 + weight), then the q, k and v rows of the input projection: Qwen3-Next's interleaved
+    ``in_proj_qkvz`` (`interleaved_qkv_columns`), Qwen3.5's flat ``in_proj_qkv``, which vLLM loads
+    as the q, k and v shards of ``in_proj_qkvz`` (``gqa_interleaved_layout=False``: each rank its
+    share of each, `stacked_qkv_columns`). Qwen3.5's released checkpoints are vision-language
+    ones, their text model under ``model.language_model.``."""
+    _layer0_is_gdn(_qwen_kinds(config), str(config.get("model_type")))
+    if config.get("model_type") == "qwen3_next":
+        prefix = "model."
+        in_proj, columns = "layers.0.linear_attn.in_proj_qkvz.weight", interleaved_qkv_columns(config, tp_size, tp_rank)
+    else:
+        prefix = checkpoint.first("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")[
+            :-len("embed_tokens.weight")]
+        in_proj, columns = "layers.0.linear_attn.in_proj_qkv.weight", stacked_qkv_columns(config, tp_size, tp_rank)
+    embeddings, norm, in_proj = prefix + "embed_tokens.weight", prefix + "layers.0.input_layernorm.weight", prefix + in_proj
+    return TokenImages(model, tp_size, tp_rank, checkpoint.matrix(embeddings),
                        1 + checkpoint.tensor(norm), float(config.get("rms_norm_eps", 1e-6)),
                        np.ascontiguousarray(checkpoint.tensor(in_proj)[columns]),
-                       source={"embeddings": "model.embed_tokens.weight", "norm": norm + " (1 + weight)",
+                       source={"embeddings": embeddings, "norm": norm + " (1 + weight)",
                                "projection": in_proj + " (q, k, v)"},
                        checkpoint=checkpoint.identity)
 
