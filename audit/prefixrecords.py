@@ -88,7 +88,8 @@ class PrefixDigest:
 
 
 # What a record's window names, by the layer-0 region whose rows hold its tokens (`TokenImages.region`):
-# a conv state's last `window` rows, an attention page's first `window` V rows.
+# a conv state's last `window` rows, an attention page's first `window` V rows (an MLA page's latent
+# rows alike: KV too).
 CONV, KV = "conv", "v"
 
 

@@ -24,7 +24,7 @@ from audit.judge.prefixes import check_prefixes
 from audit.layouts import LayoutError
 from audit.layouts.checkpoint import Checkpoint
 from audit.layouts.weights import token_images
-from audit.prefixrecords import KV
+from audit.prefixrecords import CONV, KV
 from audit.prefixtable import PrefixTable
 from audit.producers.vllm import split_stem
 from audit.records import KeyRecord, Verdict
@@ -110,20 +110,21 @@ _UNSCALED = frozenset({"float32", "float16", "bfloat16"})
 
 def layer0_region(layout, kind: str | None = None):
     """Layer 0's region in `layout` whose rows are token images, of `kind` (`TokenImages.region`) or
-    either: its conv state ("conv"), or its attention page of (heads, tokens, 2 * head_size) ("v": its
-    V rows); None where layer 0 holds neither (a kernel-block split or a one-head slice of a page, as a
-    manifest may describe it, is not read): only there is a row a function of one token."""
+    any: its conv state ("conv"), its attention page of (heads, tokens, 2 * head_size) ("v": its V
+    rows), or an MLA page of (1, tokens, latent) ("latent": each token's normed latent first, asked
+    for by an MLA model's images, since a one-head page has that shape too); None where layer 0 holds
+    none (a kernel-block split or a one-head slice of a page, as a manifest may describe it, is not
+    read): only there is a row a function of one token."""
     for segment, region in layout.regions():
         if segment.layer != 0:
             continue
         if region.kind == "state" and region.name == "conv":
             found = "conv"
-        elif region.kind == "kv" and len(region.shape) == 3 and region.shape[2] % 2 == 0 \
-                and region.dtype in _UNSCALED:
-            found = "v"
+        elif region.kind == "kv" and len(region.shape) == 3 and region.dtype in _UNSCALED:
+            found = "latent" if kind == "latent" and region.shape[0] == 1 else "v" if region.shape[2] % 2 == 0 else None
         else:
             continue
-        if kind in (None, found):
+        if found is not None and kind in (None, found):
             return region
     return None
 
@@ -298,7 +299,7 @@ def _readings(record: KeyRecord, value, layouts, bindings: Bindings) -> Iterator
         seen.add(region)
         filled = _filled_rows(record, images.region, bindings.prefixes)
         for rows in token_rows(value, region, images.region):
-            rows = rows[:filled]
+            rows = rows[:filled, :images.columns] if images.region == "latent" else rows[:filled]
             if rows.shape[1] != images.columns:  # (every byte order of a region has the same width)
                 bindings.unbound[layout.model] = (f"layer 0's {images.region} rows have {rows.shape[1]} columns "
                                                   f"at TP {layout.tp_size}, the image rule {images.columns}")
@@ -307,10 +308,10 @@ def _readings(record: KeyRecord, value, layouts, bindings: Bindings) -> Iterator
 
 
 def _filled_rows(record: KeyRecord, kind: str, prefixes: PrefixTable | None) -> int | None:
-    """How many of an attention page's V rows are its block's tokens, where its producer recorded
-    the block (a partial tail block is keyed at its last token, and its later rows hold whatever
-    the page held before); None: every row (a conv state, or no record)."""
-    if kind != KV or prefixes is None:
+    """How many of an attention page's V (or latent) rows are its block's tokens, where its producer
+    recorded the block (a partial tail block is keyed at its last token, and its later rows hold
+    whatever the page held before); None: every row (a conv state, or no record)."""
+    if kind == CONV or prefixes is None:
         return None
     split = split_stem(record.key)
     block = prefixes.get(split[1], KV) if split else None
@@ -325,7 +326,8 @@ def token_rows(value, region, kind: str) -> Iterator[np.ndarray]:
     heads: vLLM 0.32's CPU backend keeps each head's K of every token, then its V of every token
     (``cpu_attn.py``: ``kv_cache.view(blocks, heads, block_size * 2, -1).chunk(2, dim=2)``; proved on
     a real vLLM's keys); the page interface's own orders, a token's ``k|v`` per head
-    (``KVCacheLayout.LBHNC``) or per token (``LBNHC``), are read too: a value binds under any."""
+    (``KVCacheLayout.LBHNC``) or per token (``LBNHC``), are read too: a value binds under any. An MLA
+    page is a latent a token (rotary part last: the caller keeps the image's columns)."""
     data = value[region.offset:region.offset + region.length]
     if not isinstance(data, np.ndarray):  # a torch tensor on the GPU
         data = data.cpu().numpy()
@@ -337,6 +339,9 @@ def token_rows(value, region, kind: str) -> Iterator[np.ndarray]:
         yield rows if rows.shape[0] <= rows.shape[1] else rows.T
         return
     heads, tokens, width = region.shape
+    if kind == "latent":
+        yield numbers.reshape(heads * tokens, width).astype(np.float32)
+        return
     size = width // 2
     by_head = numbers.reshape(heads, 2, tokens, size)[:, 1].transpose(1, 0, 2)   # CPU_ATTN
     interleaved = numbers.reshape(heads, tokens, 2, size)[:, :, 1].transpose(1, 0, 2)  # LBHNC, k|v per token

@@ -6,7 +6,8 @@ one token; so is each token's V in an attention page (`region` "v"). A family's 
 tensors make that image and which columns a TP rank holds (`Family.token_images`); this module holds
 the arithmetic they share (`audit.layouts.weights` finds a model directory's rule). The image is
 ``n @ weight.T (+ bias)`` over the rank's columns, ``n = rmsnorm(embed[t] * scale)``; a gated rule
-(ShortConv's ``B * x``) multiplies it by ``n @ gate.T`` column by column."""
+(ShortConv's ``B * x``) multiplies it by ``n @ gate.T`` column by column, a normed one (MLA's latent)
+puts it through an RMSNorm of its own."""
 
 from __future__ import annotations
 
@@ -57,13 +58,16 @@ class TokenImages:
     embedding_scale: float = 1.0
     gate: np.ndarray | None = None  # (columns, hidden): a second projection the image is multiplied by
     bias: np.ndarray | None = None  # (columns,): the projection's bias (Qwen2's qkv_bias), added after it
-    region: str = "conv"            # which layer-0 rows are images: "conv" (a conv state's), "v" (attention's V)
+    post_norm: np.ndarray | None = None  # (columns,): an RMSNorm's weight over the projection (MLA's kv_a_layernorm)
+    post_eps: float = 1e-6
+    region: str = "conv"            # which layer-0 rows are images: "conv" (a conv state's), "v" (attention's V),
+    #                                 "latent" (an MLA page's normed latent, the first `columns` numbers a token)
     source: dict = field(default_factory=dict)  # which tensors, for the report
     checkpoint: str = ""            # the checkpoint's identity (`Checkpoint.identity`): the probe's cache key
 
     def __post_init__(self):
-        if self.gate is not None and self.bias is not None:
-            raise ValueError("a gated image with a bias has no table rule")
+        if sum(extra is not None for extra in (self.gate, self.bias, self.post_norm)) > 1:
+            raise ValueError("a gate, a bias and a norm after the projection: one at most has a table rule")
 
     @property
     def vocab_size(self) -> int:
@@ -79,7 +83,13 @@ class TokenImages:
         projected = normed @ self.weight.T
         if self.bias is not None:
             projected += self.bias
+        if self.post_norm is not None:
+            return self._post_normed(projected)
         return projected if self.gate is None else projected * (normed @ self.gate.T)
+
+    def _post_normed(self, projected: np.ndarray) -> np.ndarray:
+        mean_square = np.mean(projected * projected, axis=-1, keepdims=True)
+        return projected / np.sqrt(mean_square + np.float32(self.post_eps)) * self.post_norm
 
     def checked_images(self, tokens) -> np.ndarray:
         """The tokens' images on `check_columns`: what a row is compared with, read from the table."""
@@ -172,7 +182,7 @@ class TokenImages:
             return None
         # the projections' checked rows too: a scaling read from config.json (not a checkpoint file) is in them
         rows = hashlib.sha256(np.ascontiguousarray(self.weight[self.check_columns]).tobytes())
-        for extra in (self.gate, self.bias):
+        for extra in (self.gate, self.bias, self.post_norm):
             if extra is not None:
                 rows.update(np.ascontiguousarray(extra[self.check_columns]).tobytes())
         key = json.dumps([self.checkpoint, self.tp_size, self.tp_rank, self.columns, self.check_columns.tolist(),
@@ -182,7 +192,14 @@ class TokenImages:
     def _build_table(self) -> np.ndarray:
         """The norm is a scalar per token, so the projections run on the raw embeddings, a block of
         the vocabulary at a time, and each row is divided by its token's RMS after (by its mean
-        square for a gated image: the scalar is in both factors); a bias is added last, unscaled."""
+        square for a gated image: the scalar is in both factors); a bias is added last, unscaled.
+        A norm after the projection needs every column of it: that image is computed whole."""
+        if self.post_norm is not None:
+            table = np.empty((self.vocab_size, len(self.check_columns)), dtype=np.float32)
+            for first, block in self.embeddings.blocks(TABLE_BLOCK_ROWS):
+                projected = self._post_normed(self._normed(block) @ self.weight.T)
+                table[first:first + len(block)] = projected[:, self.check_columns]
+            return table
         norm = self.norm_weight if self.norm_weight is not None else 1
         weight = self.weight[self.check_columns] * norm
         gate = None if self.gate is None else self.gate[self.check_columns] * norm

@@ -49,8 +49,9 @@ PREFIX_MISMATCH = "PREFIX_MISMATCH"
 @dataclass(frozen=True)
 class Layer0Rows:
     """Where a group's keys hold layer 0's token rows: which segment, and the region there: a conv
-    state ("conv", its shape as vLLM's MambaSpec gives it), or an attention page ("v": (heads,
-    tokens, 2 * head_size), read as `audit.judge.binding.token_rows` reads it)."""
+    state ("conv", its shape as vLLM's MambaSpec gives it), an attention page ("v": (heads,
+    tokens, 2 * head_size), read as `audit.judge.binding.token_rows` reads it) or an MLA page
+    ("latent": (1, tokens, latent width), the image's columns first)."""
 
     segment: int
     offset: int
@@ -66,16 +67,20 @@ _UNSCALED = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 def _attention_rows(group: dict, segment: dict) -> Layer0Rows | None:
     """Layer 0's attention page, where its segment is one whole page of K and V for every KV head
-    and token of the block (vLLM's CPU backend); None otherwise (a K/V split, fp8, MLA)."""
+    and token of the block (vLLM's CPU backend), or of a latent a token (an ``MLAAttentionSpec``);
+    None otherwise (a K/V split, fp8)."""
     attention, block_size = group.get("attention") or {}, group.get("block_size")
     heads, size, dtype = attention.get("num_kv_heads"), attention.get("head_size"), attention.get("dtype")
+    latent = str(group.get("spec") or "").startswith("MLA")
     if dtype not in _UNSCALED or not heads or not size or not block_size \
-            or (attention.get("head_size_v") or size) != size:
+            or (not latent and (attention.get("head_size_v") or size) != size):
         return None
-    length = int(heads) * int(block_size) * 2 * int(size) * _UNSCALED[dtype]
+    width = int(size) if latent else 2 * int(size)
+    length = int(heads) * int(block_size) * width * _UNSCALED[dtype]
     if int(segment["block_len"]) != length:
         return None
-    return Layer0Rows(int(segment["index"]), 0, length, dtype, (int(heads), int(block_size), 2 * int(size)), "v")
+    return Layer0Rows(int(segment["index"]), 0, length, dtype, (int(heads), int(block_size), width),
+                      "latent" if latent else "v")
 
 
 def row_elements(geometry: Layer0Rows, columns: np.ndarray, width: int) -> np.ndarray | None:
@@ -84,6 +89,9 @@ def row_elements(geometry: Layer0Rows, columns: np.ndarray, width: int) -> np.nd
     and decodes them, not the page. None where its rows are not `width` wide. An attention page is
     read in the CPU backend's order (a head's K of every token, then its V:
     `audit.judge.binding.token_rows`); a conv state is "SD" (state_len, dim) or its transpose."""
+    if geometry.kind == "latent":
+        heads, tokens, latent = geometry.shape
+        return np.arange(heads * tokens * latent).reshape(heads * tokens, latent)[:, columns] if width <= latent else None
     if geometry.kind == "v":
         heads, tokens, double = geometry.shape
         if heads * (double // 2) != width:
@@ -176,7 +184,7 @@ class StateBinder:
         from audit.judge.prefixes import encoded_prefix_matches, prefix_matches
 
         pending: list[tuple[int, np.ndarray, Iterator]] = []  # (index, rows on the check columns, later readings)
-        region, columns = "v" if images.region == "v" else "conv", images.check_columns
+        region, columns = "conv" if images.region == "conv" else "v", images.check_columns  # (a record's kinds)
         records = {}  # index -> its chunk hash's record, as kept (`window_and_digest`): one lookup a key
         if self._gathers_of is not images:
             self._gathers, self._gathers_of = {}, images
@@ -203,7 +211,8 @@ class StateBinder:
                 continue
             # a partial tail block: its own tokens' rows only, as its request's record says (None: all)
             filled = None if record is None else window_and_digest(record)[0]
-            pending.append((index, rows[:filled], _later_readings(data, geometry, filled, columns)))
+            later = _later_readings(data, geometry, filled, columns) if geometry.kind == "v" else iter(())
+            pending.append((index, rows[:filled], later))
         found = {}
         decided: dict[int, tuple] = {}  # index -> (its tokens, their token_bytes, all rows near an image)
         while pending:  # a page's later byte orders only for values the likelier ones did not bind

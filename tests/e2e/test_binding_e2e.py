@@ -36,8 +36,9 @@ hybrid with its two groups, Zamba2, Falcon-H1 with and without muP multipliers),
   producer (cold, on an empty store) did.
 - The attention models whose layer 0 vLLM computes otherwise (Qwen2's biased V, Gemma 3's
   normalizer and ``1 + w`` norm with a sliding layer 0, Granite's embedding multiplier, Phi-3's fused
-  ``qkv_proj`` at TP 2): the same V-row, scan, record and put-guard tests; each against another
-  checkpoint; Qwen2's guarded consumer as Llama's.
+  ``qkv_proj`` at TP 2), and MLA (DeepSeek-V3, float32 and bfloat16: each block's latent rows, the
+  ``kv_a_layernorm`` of its tokens' latent): the same row, scan, record and put-guard tests; each
+  against another checkpoint; Qwen2's and DeepSeek-V3's guarded consumers as Llama's.
 """
 
 from __future__ import annotations
@@ -100,6 +101,9 @@ ATTENTION_CASES = {case.name: case for case in [
     Case("gemma3-tp1", "gemma3-tiny", 1, None, 0.01, block=32),
     Case("granite-tp1", "granite-tiny", 1, None, 0.01, block=32),
     Case("phi3-kv2-tp2", "phi3-tiny-kv2", 2, None, 0.01, block=32),
+    # MLA (DeepSeek-V3): layer 0's normed latent; the CPU platform forces block 16
+    Case("deepseek-v3-fp32-tp1", "deepseek-v3-tiny", 1, "float32", 1e-4, block=16),
+    Case("deepseek-v3-bf16-tp1", "deepseek-v3-tiny-bf16", 1, None, 0.01, block=16),
 ]}
 
 
@@ -322,9 +326,12 @@ def test_every_attention_keys_layer0_v_rows_are_the_images_of_its_own_blocks_tok
         images = token_images(result.model_dir, result.case.model, result.case.tp, fields["tp_rank"])
         (region,) = [r for r in records[key]["regions"] if r["layer"] == 0 and r["region"] == "kv"]
         data = np.frombuffer(values[key], dtype=np.uint8)[region["offset"]:region["offset"] + region["length"]]
-        heads = images.columns // 64  # head_dim 64 (tests/e2e/models.py)
-        rows = decode_floats(data, region["dtype"]).reshape(heads, 2, block, 64)[:, 1]  # (heads, K|V, tokens, dim)
-        rows = rows.transpose(1, 0, 2).reshape(block, images.columns).astype(np.float32)
+        numbers = decode_floats(data, region["dtype"])
+        if images.region == "latent":  # (tokens, kv_lora_rank + rope): the normed latent first
+            rows = numbers.reshape(block, -1)[:, :images.columns].astype(np.float32)
+        else:  # (heads, K|V, tokens, dim), head_dim 64 (tests/e2e/models.py)
+            rows = numbers.reshape(images.columns // 64, 2, block, 64)[:, 1]
+            rows = rows.transpose(1, 0, 2).reshape(block, images.columns).astype(np.float32)
         tokens = prompt[(k - 1) * block:k * block]
         worst, ranks = max(worst, _images_of(rows, tokens, images, result.case.exact, key)), ranks | {fields["tp_rank"]}
     observed[name] = {"keys": len(result.keys), "keys_holding_layer0": len(held), "block_size": result.block,
@@ -360,7 +367,8 @@ def test_attention_keys_against_another_checkpoint_under_the_same_name_are_weigh
                                          "row_distances": [min(distances), max(distances)] if distances else None}
     assert flagged == set(_layer0_kv_keys(result)) and scan.rc == 1
     assert {r["key"] for r in scan.report["findings"]} == flagged
-    assert {r["evidence"]["weights_mismatch"]["region"] for r in scan.records if r["key"] in flagged} == {"v"}
+    region = "latent" if ALL_MODELS[result.case.model].family == "deepseek_v3" else "v"
+    assert {r["evidence"]["weights_mismatch"]["region"] for r in scan.records if r["key"] in flagged} == {region}
     assert min(distances) > 0.05
 
 
@@ -450,13 +458,14 @@ def test_every_attention_block_has_its_own_tokens_record_and_the_put_guard_withh
     assert [r for r in scan.report["findings"] if r["key"] in set(result.keys)] == [] and scan.rc == 0
 
 
-@pytest.mark.parametrize("name", ["llama-tp1", "qwen2-bias-tp1"])
+@pytest.mark.parametrize("name", ["llama-tp1", "qwen2-bias-tp1", "deepseek-v3-fp32-tp1"])
 def test_a_guarded_consumer_refuses_another_blocks_kv_and_keeps_every_other_hit(session, models_dir, observed, name):
     """A block replaced by another request's block (its own key gone): finite, of these weights,
     PREFIX_MISMATCH in the scan; a guarded consumer of the producer's own prompts refuses it alone
     as PREFIX_MISMATCH (its V rows are images of other tokens than its request's own for that
     block), loads every other hit, recomputes, and answers as the producer did. One engine more a
-    model (a consumer at TP 1): Llama, and Qwen2, whose V carries its bias."""
+    model (a consumer at TP 1): Llama; Qwen2, whose V carries its bias; DeepSeek-V3, whose MLA page
+    holds a latent a token."""
     import time
 
     from audit.connection import Settings

@@ -147,6 +147,42 @@ def test_attention_values_are_bound_by_layer_0s_v_rows(tmp_path):
     assert bindings.summary()["bound"] == [MODEL] and bindings.summary()["not_bound"] == {}
 
 
+def test_mla_values_are_bound_by_layer_0s_latent_and_a_one_head_page_stays_v(tmp_path):
+    """An MLA page is (1, tokens, kv_lora_rank + rope): its tokens' normed latents, rotary part last.
+    A value of these weights binds whatever its rotary part holds; one of other weights is
+    WEIGHTS_MISMATCH (evidence region "latent"). A one-head attention page of the same shape is
+    read for its V rows, never as a latent."""
+    from audit.judge.binding import Bindings, Values, bind_values, layer0_region
+    from audit.judge.key import judge_read
+    from audit.records import KeyInfo
+    from tests.layouts.test_images import _deepseek_checkpoint
+
+    ours, theirs = tmp_path / MODEL, tmp_path / "other" / MODEL
+    _deepseek_checkpoint(ours, np.random.default_rng(0))
+    _deepseek_checkpoint(theirs, np.random.default_rng(1))
+    layout = next(layout for layout in load_layouts(model_configs=[ours], kv_cache_dtype="float32", block_size=16,
+                                                    model_dtype="float32", tp_given=True) if layout.tp_size == 1)
+    pages = [region for _, region in layout.regions()]
+    assert [region.shape for region in pages] == [(1, 16, 20)] * 2
+    assert layer0_region(layout, "latent") is pages[0] and layer0_region(layout, "v") is pages[0]
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, 32, 16)
+    mine, other = token_images(ours, MODEL, 1, 0).images(tokens), token_images(theirs, MODEL, 1, 0).images(tokens)
+    layer1 = rng.standard_normal(pages[1].shape).astype(np.float32)
+    values = [np.concatenate([np.hstack([rows, rng.standard_normal((16, 4))]).ravel(), layer1.ravel()])
+              .astype(np.float32).view(np.uint8) for rows in (mine, other)]
+    keys = [vllm_key(MODEL, f"{i:064x}") for i in range(len(values))]
+    records = [judge_read(KeyInfo(key, layout.size), layout.size, None) for key in keys]
+    for record in records:
+        record.verdicts.clear()
+    bindings = Bindings.of([ours])
+    bind_values(records, Values.listed(values), [(layout,)] * len(values), bindings)
+    assert [record.verdicts for record in records] == [[], ["WEIGHTS_MISMATCH"]]
+    evidence = records[1].evidence["weights_mismatch"]
+    assert evidence["region"] == "latent" and len(evidence["rows"]) == 16
+    assert min(row["distance"] for row in evidence["rows"]) > evidence["row_tolerance"]
+
+
 def test_an_attention_block_of_other_tokens_under_its_hash_is_prefix_mismatch(tmp_path):
     """A KV block's record names the block's own tokens (issue #40 §3): a page whose V rows are
     images of other tokens is PREFIX_MISMATCH (evidence region "v"); a partial tail block is judged

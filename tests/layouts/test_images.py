@@ -71,7 +71,7 @@ def test_what_is_not_bound_says_why(tmp_path):
     with pytest.raises(LayoutError, match="no safetensors"):
         token_images(tmp_path / "noweights", "m", 1, 0)
     (tmp_path / "mla").mkdir()
-    (tmp_path / "mla" / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
+    (tmp_path / "mla" / "config.json").write_text(json.dumps({"model_type": "mamba"}))  # Mamba1: no rule yet
     with pytest.raises(LayoutError, match="no layer-0 image rule"):
         token_images(tmp_path / "mla", "m", 1, 0)
     tiny_mamba2_checkpoint(tmp_path / "int8")
@@ -292,3 +292,39 @@ def test_attention_rules_not_proved_are_not_bound(tmp_path):
     llama_checkpoint(tmp_path / "three", rng, kv_heads=3)
     with pytest.raises(LayoutError, match="shard"):
         token_images(tmp_path / "three", "m", 2, 0)
+
+
+def _deepseek_checkpoint(directory, rng, rank: int = 16, rope: int = 4) -> dict:
+    """An MLA model of hidden 8 (DeepSeek-V3's names): a latent of `rank` and a rotary part of `rope`."""
+    config = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 8,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": rank,
+              "qk_rope_head_dim": rope, "qk_nope_head_dim": 4, "v_head_dim": 4, "q_lora_rank": None,
+              "vocab_size": 32, "rms_norm_eps": 1e-5}
+    return _checkpoint(directory, config, {
+        "model.embed_tokens.weight": rng.standard_normal((32, 8)).astype(np.float32),
+        "model.layers.0.input_layernorm.weight": (1 + 0.1 * rng.standard_normal(8)).astype(np.float32),
+        "model.layers.0.self_attn.kv_a_proj_with_mqa.weight": rng.standard_normal((rank + rope, 8)).astype(np.float32),
+        "model.layers.0.self_attn.kv_a_layernorm.weight": (1 + 0.1 * rng.standard_normal(rank)).astype(np.float32)})
+
+
+def _latent_by_vllm(tensors: dict, tokens: list[int], rank: int = 16) -> np.ndarray:
+    """vLLM's deepseek_v2.py at layer 0: input_layernorm, kv_a_proj_with_mqa, split [kv_c, k_pe],
+    kv_a_layernorm(kv_c): what the cache holds before the rotary part."""
+    n = _rms_normed(tensors["model.embed_tokens.weight"][tokens], tensors["model.layers.0.input_layernorm.weight"])
+    kv_c = (n @ tensors["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].T)[:, :rank]
+    return kv_c / np.sqrt((kv_c * kv_c).mean(axis=1, keepdims=True) + 1e-5) * \
+        tensors["model.layers.0.self_attn.kv_a_layernorm.weight"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_mla_images_are_layer0s_normed_latent_on_every_rank(tmp_path, monkeypatch, tp):
+    # the latent is replicated: every rank's images are the same
+    monkeypatch.setenv("MOONCAKE_AUDIT_CACHE", str(tmp_path / "cache"))
+    tensors = _deepseek_checkpoint(tmp_path / "ds", np.random.default_rng(9))
+    tokens = [0, 3, 31, 3]
+    for rank in range(tp):
+        images = token_images(tmp_path / "ds", "ds", tp, rank)
+        assert images.region == "latent" and images.columns == 16
+        expected = _latent_by_vllm(tensors, tokens)
+        np.testing.assert_allclose(images.images(tokens), expected, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(images.table[tokens], expected[:, images.check_columns], rtol=1e-4, atol=1e-5)
