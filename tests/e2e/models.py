@@ -167,11 +167,12 @@ def hf_config(model: TinyModel):
             max_position_embeddings=4096, **common), **model.config_args})
     if model.family == "deepseek_v3":
         # every layer dense (first_k_dense_replace = layers): MLA without the MoE
-        return t.DeepseekV3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                                  num_key_value_heads=2, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
-                                  qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=2, n_routed_experts=4,
-                                  num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=64,
-                                  num_nextn_predict_layers=0, max_position_embeddings=4096, **common)
+        return t.DeepseekV3Config(**{**dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+            kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+            first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            moe_intermediate_size=64, num_nextn_predict_layers=0, max_position_embeddings=4096, **common),
+            **model.config_args})
     if model.family == "olmo_hybrid":
         return t.OlmoHybridConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
                                   num_key_value_heads=2, linear_num_key_heads=1, linear_num_value_heads=1,
