@@ -186,7 +186,7 @@ class TokenImages:
             if extra is not None:
                 rows.update(np.ascontiguousarray(extra[self.check_columns]).tobytes())
         key = json.dumps([self.checkpoint, self.tp_size, self.tp_rank, self.columns, self.check_columns.tolist(),
-                          self.eps, self.embedding_scale, self.source, rows.hexdigest()], sort_keys=True)
+                          self.eps, self.post_eps, self.embedding_scale, self.source, rows.hexdigest()], sort_keys=True)
         return cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.npy"
 
     def _build_table(self) -> np.ndarray:

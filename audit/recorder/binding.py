@@ -88,7 +88,8 @@ def row_elements(geometry: Layer0Rows, columns: np.ndarray, width: int) -> np.nd
     indices (tokens, check) into the region's numbers, so that a guard gathers those few numbers
     and decodes them, not the page. None where its rows are not `width` wide. An attention page is
     read in the CPU backend's order (a head's K of every token, then its V:
-    `audit.judge.binding.token_rows`); a conv state is "SD" (state_len, dim) or its transpose."""
+    `audit.judge.binding.token_rows`); an MLA page a latent a token, the image's columns first; a conv
+    state is "SD" (state_len, dim) or its transpose."""
     if geometry.kind == "latent":
         heads, tokens, latent = geometry.shape
         return np.arange(heads * tokens * latent).reshape(heads * tokens, latent)[:, columns] if width <= latent else None

@@ -350,7 +350,8 @@ def _layer0_kv_keys(result: Produced) -> list[str]:
     return held
 
 
-@pytest.mark.parametrize("name", [name for name in ATTENTION_CASES if name != "llama-kv2-tp2"])
+# one a page kind and rule (Granite's and Phi-3's rules differ from Llama's before the projection only)
+@pytest.mark.parametrize("name", ["llama-tp1", "qwen2-bias-tp1", "gemma3-tp1", "deepseek-v3-bf16-tp1"])
 def test_attention_keys_against_another_checkpoint_under_the_same_name_are_weights_mismatch(session, models_dir,
                                                                                             observed, name):
     """Each attention model's keys scanned with another checkpoint (other seed) under the same model
