@@ -263,3 +263,40 @@ def test_the_put_guard_withholds_attention_blocks_of_other_tokens(tmp_path):
     results = store.batch_put_from_multi_buffers(keys, addrs, [[page, page]] * len(keys))
     assert results == [0, WITHHELD_RESULT, WITHHELD_RESULT, 0, 0, 0, 0, 0]
     assert store.calls[0][0] == [keys[0], *keys[3:]]
+
+
+def test_the_guard_binds_mla_blocks_by_their_latent_rows(tmp_path):
+    """An MLA consumer (``MLAAttentionSpec``: one latent of 16 + 4 a token, block 16): a block whose
+    latent rows are images of other tokens than its record's is refused as PREFIX_MISMATCH, one of
+    other weights as WEIGHTS_MISMATCH; a healthy block is kept whatever its rotary part holds."""
+    from tests.layouts.test_images import _deepseek_checkpoint
+
+    ours, theirs = tmp_path / MODEL, tmp_path / "other" / MODEL
+    _deepseek_checkpoint(ours, np.random.default_rng(0))
+    _deepseek_checkpoint(theirs, np.random.default_rng(1))
+    mine, other = token_images(ours, MODEL, 1, 0), token_images(theirs, MODEL, 1, 0)
+    rng = np.random.default_rng(5)
+    blocks = [rng.integers(0, 32, 16) for _ in range(3)]
+    latents = [mine.images(blocks[0]), mine.images(blocks[1][::-1]), other.images(blocks[2])]
+    pages = []
+    for rows in latents:
+        pages.append(np.hstack([rows, rng.standard_normal((16, 4))]).astype(np.float32).ravel().view(np.uint8).copy())
+        pages.append(rng.standard_normal(16 * 20).astype(np.float32).view(np.uint8).copy())  # layer 1
+    hashes = [f"{i:064x}" for i in range(len(latents))]
+    records = tmp_path / "records"
+    records.mkdir()
+    (records / "prefixes-host-1-0000.jsonl").write_text(
+        "".join(prefix_line(h, None, None, list(t)) + "\n" for h, t in zip(hashes, blocks)))
+    segments = [{"index": i, "block_len": 16 * 20 * 4, "layer": f"model.layers.{i}.self_attn.attn",
+                 "layer_index": i, "offset_in_page": 0} for i in range(2)]
+    document = {"model": MODEL, "model_path": str(ours), "tp_size": 1, "tp_rank": 0, "groups": [{
+        "group": 0, "kind": "attention", "spec": "MLAAttentionSpec", "block_size": 16, "segments": segments,
+        "attention": {"num_kv_heads": 1, "head_size": 20, "head_size_v": 20, "dtype": "float32"}}]}
+    keys = [vllm_key(MODEL, h) for h in hashes]
+    addrs = [[pages[2 * v].ctypes.data, pages[2 * v + 1].ctypes.data] for v in range(len(keys))]
+    sizes = [[pages[2 * v].nbytes, pages[2 * v + 1].nbytes] for v in range(len(keys))]
+    guard = LoadGuard(DenyList(records, RecordWriter(records, stem="denied")), StateBinder(records))
+    guard.describe(document, {})
+    guard.binder.building.join(60)
+    assert guard.binder.status == "bound" and guard.binder.layer0[0].kind == "latent", guard.binder.status
+    assert guard.check(keys, addrs, sizes, [0] * len(keys)) == {1: "PREFIX_MISMATCH", 2: "WEIGHTS_MISMATCH"}
