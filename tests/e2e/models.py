@@ -102,11 +102,13 @@ BINDING_MODELS: dict[str, TinyModel] = {m.name: m for m in [
 ]}
 # Only in tests/e2e/test_binding_e2e.py (issue #40): attention models whose layer 0 vLLM computes
 # otherwise than Llama's: Qwen2's biased qkv_proj, Gemma 3's normalizer and 1 + w norm (layer 0
-# sliding), Granite's embedding multiplier, Phi-3's fused qkv_proj (TP 2). Head dim 64: the CPU attention's.
+# sliding), Granite's embedding multiplier, Phi-3's fused qkv_proj (TP 2), OLMo2's missing pre-norm (vLLM's
+# Transformers backend). Head dim 64: the CPU attention's.
 ATTENTION_BINDING_MODELS: dict[str, TinyModel] = {m.name: m for m in [
     TinyModel("qwen2-tiny", "qwen2", "bfloat16", mamba=False, block_size=32, random_biases=True),
     TinyModel("gemma3-tiny", "gemma3_text", "bfloat16", mamba=False, block_size=32),
     TinyModel("granite-tiny", "granite", "bfloat16", mamba=False, block_size=32),
+    TinyModel("olmo2-tiny", "olmo2", "bfloat16", mamba=False, block_size=32),
     TinyModel("phi3-tiny-kv2", "phi3", "bfloat16", mamba=False, block_size=32,
               config_args={"num_key_value_heads": 2}),  # served at TP 2: a KV head a rank
 ]}
@@ -198,6 +200,8 @@ def hf_config(model: TinyModel):
                                residual_multiplier=0.22, logits_scaling=8.0)
     if model.family == "phi3":
         return t.Phi3Config(**{**attention, **model.config_args})
+    if model.family == "olmo2":
+        return t.Olmo2Config(**attention, head_dim=64)
     raise ValueError(model.family)
 
 

@@ -36,7 +36,7 @@ hybrid with its two groups, Zamba2, Falcon-H1 with and without muP multipliers),
   producer (cold, on an empty store) did.
 - The attention models whose layer 0 vLLM computes otherwise (Qwen2's biased V, Gemma 3's
   normalizer and ``1 + w`` norm with a sliding layer 0, Granite's embedding multiplier, Phi-3's fused
-  ``qkv_proj`` at TP 2), and MLA (DeepSeek-V3, float32 and bfloat16: each block's latent rows, the
+  ``qkv_proj`` at TP 2, OLMo2 without a pre-norm), and MLA (DeepSeek-V3, float32 and bfloat16: each block's latent rows, the
   ``kv_a_layernorm`` of its tokens' latent): the same row, scan, record and put-guard tests; each
   against another checkpoint; Qwen2's and DeepSeek-V3's guarded consumers as Llama's.
 """
@@ -101,6 +101,7 @@ ATTENTION_CASES = {case.name: case for case in [
     Case("gemma3-tp1", "gemma3-tiny", 1, None, 0.01, block=32),
     Case("granite-tp1", "granite-tiny", 1, None, 0.01, block=32),
     Case("phi3-kv2-tp2", "phi3-tiny-kv2", 2, None, 0.01, block=32),
+    Case("olmo2-tp1", "olmo2-tiny", 1, None, 0.01, block=32),
     # MLA (DeepSeek-V3): layer 0's normed latent; the CPU platform forces block 16
     Case("deepseek-v3-fp32-tp1", "deepseek-v3-tiny", 1, "float32", 1e-4, block=16),
     Case("deepseek-v3-bf16-tp1", "deepseek-v3-tiny-bf16", 1, None, 0.01, block=16),

@@ -2,7 +2,7 @@
 
 The generic K/V layout of any config with attention fields only; a config with recurrent-state or
 latent fields that no family knows is refused rather than guessed (`is_plain_attention`). Layer 0's
-V of a Llama-like, Gemma, Granite or Phi-3 model is the image of its token (`_v_images`: issue #40's
+V of a Llama-like, Gemma, Granite, Phi-3 or OLMo2 model is the image of its token (`_v_images`: issue #40's
 binding).
 """
 
@@ -75,8 +75,8 @@ class VImageRule:
 # (``mistral``, ``mixtral``, ``qwen2``, ``qwen2_moe``, ``qwen3``, ``qwen3_moe``: q/k norms touch q and k
 # only; Qwen2's ``qkv_bias`` is added to V); ``gemma*.py``: the embeddings times ``normalizer``
 # (``hidden_size ** 0.5``), a GemmaRMSNorm; ``granite.py``: times ``embedding_multiplier``; ``phi3.py``
-# (a ``LlamaForCausalLM``) loads the fused ``qkv_proj`` whole. OLMo2 (no pre-norm) runs on vLLM's
-# Transformers backend in 0.32, not proved here: not bound.
+# (a ``LlamaForCausalLM``) loads the fused ``qkv_proj`` whole. OLMo2 has no norm before attention
+# (post-norms only; q/k norms touch q and k): vLLM 0.32 runs it on its Transformers backend.
 _PLAIN = VImageRule()
 _GEMMA = VImageRule(norm="plus_one", embedding_scale=lambda config: config_int(config, "hidden_size") ** 0.5)
 V_IMAGE_RULES = {
@@ -84,6 +84,7 @@ V_IMAGE_RULES = {
     **dict.fromkeys(("gemma", "gemma2", "gemma3", "gemma3_text"), _GEMMA),
     "granite": VImageRule(embedding_scale=lambda config: float(config.get("embedding_multiplier", 1.0))),
     "phi3": VImageRule(fused_qkv=True),
+    "olmo2": VImageRule(norm=None),
 }
 
 
