@@ -93,6 +93,12 @@ class PrefixDigest:
 CONV, KV = "conv", "v"
 
 
+def record_region(image_region: str) -> str:
+    """The record kind whose window a layer-0 region's rows are checked against (`TokenImages.region`):
+    a conv state's, or a block's own tokens for every page (V rows, MLA latents)."""
+    return CONV if image_region == CONV else KV
+
+
 _DIGEST = re.compile(r"[0-9a-f]{16}")
 
 

@@ -16,7 +16,6 @@ import numpy as np
 from audit.prefixrecords import (
     CONV,
     DIGEST,
-    KV,
     TOKEN_BYTES,
     PrefixDigest,
     PrefixRecords,
@@ -24,6 +23,7 @@ from audit.prefixrecords import (
     encoded_digest,
     hash_key,
     prefix_digest,
+    record_region,
     token_bytes,
     window_and_digest,
 )
@@ -81,7 +81,7 @@ def check_prefix(record: KeyRecord, tokens: np.ndarray, images, prefixes: Prefix
     hash's record for its region (`images.region`). None: nothing to compare (no record, or
     `prefix_matches` cannot say); True: flagged."""
     split = split_stem(record.key)  # a vLLM key ends in its chunk hash (a key without one has no record)
-    region = CONV if images.region == CONV else KV  # a page's V or latent rows: a block's own tokens
+    region = record_region(images.region)
     expected = prefixes.get(split[1], region) if split else None
     matches = None if expected is None else prefix_matches(tokens, expected, images.twins, region)
     if matches is not False:
@@ -101,7 +101,7 @@ def check_prefixes(records: list[KeyRecord], token_rows, images, prefixes: Prefi
     hashes have table records their tokens digest to are settled at once, with no record object or
     string (`_settled_at_once`: a scan checks a million keys); any other key goes `check_prefix`'s
     whole way."""
-    region = CONV if images.region == CONV else KV  # a page's V or latent rows: a block's own tokens
+    region = record_region(images.region)
     settled = _settled_at_once(records, token_rows, region, prefixes)
     others = np.flatnonzero(~settled).tolist()
     hashed = []  # each other key's hex hash as the tables keep it, None for any other key

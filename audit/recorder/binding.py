@@ -32,6 +32,7 @@ from audit.prefixrecords import (
     TOKEN_BYTES,
     PrefixRecords,
     parse_prefix_record,
+    record_region,
     token_bytes,
     window_and_digest,
 )
@@ -185,7 +186,7 @@ class StateBinder:
         from audit.judge.prefixes import encoded_prefix_matches, prefix_matches
 
         pending: list[tuple[int, np.ndarray, Iterator]] = []  # (index, rows on the check columns, later readings)
-        region, columns = "conv" if images.region == "conv" else "v", images.check_columns  # (a record's kinds)
+        region, columns = record_region(images.region), images.check_columns
         records = {}  # index -> its chunk hash's record, as kept (`window_and_digest`): one lookup a key
         if self._gathers_of is not images:
             self._gathers, self._gathers_of = {}, images
