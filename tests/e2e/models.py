@@ -99,6 +99,10 @@ BINDING_MODELS: dict[str, TinyModel] = {m.name: m for m in [
     # Qwen3.5's text model: flat in_proj_qkv (vLLM's gqa_interleaved_layout=False); 2 key heads, so
     # TP 2 gives each rank its share of q, k and v
     TinyModel("qwen3-5-tiny", "qwen3_5_text", "bfloat16", mamba=True, block_size=None),
+    # Mamba1, served with the shim plugin's CPU scan (MOONCAKE_AUDIT_E2E_MAMBA1_CPU; the CPU build has
+    # no selective_scan_fwd): mamba-tiny's shape, both checkpoint dtypes
+    TinyModel("mamba1-tiny", "mamba", "float32", mamba=True, block_size=16, serve_dtype="float32"),
+    TinyModel("mamba1-tiny-bf16", "mamba", "bfloat16", mamba=True, block_size=16),
 ]}
 # Only in tests/e2e/test_binding_e2e.py (issue #40): attention models whose layer 0 vLLM computes
 # otherwise than Llama's: Qwen2's biased qkv_proj, Gemma 3's normalizer and 1 + w norm (layer 0

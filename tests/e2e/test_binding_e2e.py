@@ -8,7 +8,8 @@ ending a few tokens after a boundary (vLLM 0.32 publishes one state per request,
 boundary); and the hybrids whose layer 0 holds a conv state: a Mamba2 mixer (Nemotron-H, Granite 4.0
 hybrid with its two groups, Zamba2, Falcon-H1 with and without muP multipliers), a Gated DeltaNet
 (Qwen3-Next, Qwen3.5's flat ``in_proj_qkv`` at TP 2, OLMo Hybrid) or LFM2's ShortConv (its rows are
-``B * x``), bfloat16, at the block vLLM chooses, prompts sized in it.
+``B * x``), bfloat16, at the block vLLM chooses, prompts sized in it; and Mamba1 (``x`` of
+``in_proj``'s ``[x, z]``) in float32 at TP 1 and bfloat16 at TP 2, on the shim plugin's CPU scan.
 
 - The differential test: layer 0's conv rows of every value that holds them are the images,
   computed by the audit from ``model.safetensors`` (`audit.layouts.weights`), of the ``d_conv - 1``
@@ -17,7 +18,7 @@ hybrid with its two groups, Zamba2, Falcon-H1 with and without muP multipliers),
   block hashes (vLLM's ``hash_block_tokens``, sha256); for a hybrid, a window of the prompts that
   ends on one of the engine's block boundaries.
 - The scan with ``--model-config DIR`` (the directory holds the weights): every key bound, no finding.
-- Another checkpoint under the same model name (the same tiny Mamba2 with the weights of another
+- Another checkpoint under the same model name (the same tiny Mamba2, or Mamba1, with the weights of another
   seed, served by a second vLLM into the same store, other prompts): every one of its keys, and no
   other, is WEIGHTS_MISMATCH.
 - PREFIX_MISMATCH: every engine runs with the recorder, whose scheduler hook writes per chunk hash
@@ -58,6 +59,8 @@ from tests.e2e import harness
 from tests.e2e.models import ALL_MODELS
 from tests.e2e.test_new_families_e2e import OLMO_CPU_ENV
 
+MAMBA1_CPU_ENV = "MOONCAKE_AUDIT_E2E_MAMBA1_CPU"
+
 BLOCK = 16
 OBSERVED = Path(__file__).with_name("binding_observed.json")
 STUBS = Path(__file__).with_name("stubs")
@@ -89,6 +92,9 @@ CASES = {case.name: case for case in [
     Case("olmo-hybrid-tp1", "olmo-hybrid-tiny", 1, "bfloat16", 0.01, block=None),
     Case("qwen3-next-gqa-tp2", "qwen3-next-tiny-gqa", 2, "bfloat16", 0.01, block=None),
     Case("qwen3-5-tp2", "qwen3-5-tiny", 2, "bfloat16", 0.01, block=None),
+    # Mamba1 (x of in_proj's [x, z]), on the shim plugin's CPU scan: float32 at TP 1, bfloat16 at TP 2
+    Case("mamba1-fp32-tp1", "mamba1-tiny", 1, "float32", 1e-5),
+    Case("mamba1-bf16-tp2", "mamba1-tiny-bf16", 2, None, 0.01),
 ]}
 
 
@@ -182,10 +188,13 @@ def _produce(session, models_dir: Path, case: Case) -> Produced:
 
 
 def _engine_env(family: str) -> dict | None:
-    """OLMo Hybrid's GDN core on the CPU op (the shim plugin); Qwen3.5's imports of torchvision
-    answered by tests/e2e/stubs (no CPU torchvision here; the text model never calls it)."""
+    """OLMo Hybrid's GDN core on the CPU op and Mamba1's scan in plain torch (the shim plugin);
+    Qwen3.5's imports of torchvision answered by tests/e2e/stubs (no CPU torchvision here; the text
+    model never calls it)."""
     if family == "olmo_hybrid":
         return {OLMO_CPU_ENV: "1"}
+    if family == "mamba":
+        return {MAMBA1_CPU_ENV: "1"}
     if family == "qwen3_5_text":
         return {"PYTHONPATH": os.pathsep.join(filter(None, [str(STUBS), os.environ.get("PYTHONPATH")]))}
     return None
@@ -279,14 +288,15 @@ def test_a_scan_with_the_weights_binds_every_key_and_finds_nothing(session, mode
     assert scan.rc == 0, scan.stderr[-800:]
 
 
-def test_another_checkpoint_under_the_same_name_is_weights_mismatch(session, models_dir, observed):
+@pytest.mark.parametrize("name", ["mamba2-fp32-tp1", "mamba1-fp32-tp1"])
+def test_another_checkpoint_under_the_same_name_is_weights_mismatch(session, models_dir, observed, name):
     """A second vLLM serving other weights under the same model name publishes into the same store:
     its keys, and only they, are WEIGHTS_MISMATCH; its rows are far from every image."""
-    result = produced(session, models_dir, "mamba2-fp32-tp1")
-    other = harness.make_model(session.root / "binding-other-weights", result.case.model, seed=1)
-    harness.run_engine(other, result.config, [prompts(41)], session.root / "binding-other-run", mamba=True,
-                       block_size=BLOCK,
-                       dtype="float32", max_tokens=2, drain=True, name="other")
+    result = produced(session, models_dir, name)
+    other = harness.make_model(session.root / f"binding-other-weights-{name}", result.case.model, seed=1)
+    harness.run_engine(other, result.config, [prompts(41)], session.root / f"binding-other-run-{name}", mamba=True,
+                       block_size=BLOCK, dtype="float32", max_tokens=2, drain=True, name="other",
+                       extra_env=_engine_env(ALL_MODELS[result.case.model].family))
     theirs = set(harness.all_keys(result.cluster)) - set(result.keys)
     assert len(theirs) == len(prompts(41))
     scan = harness.scan(result.config, result.cluster, "--model-config", str(result.model_dir))
@@ -294,8 +304,9 @@ def test_another_checkpoint_under_the_same_name_is_weights_mismatch(session, mod
     flagged = scan.keys_with("WEIGHTS_MISMATCH")
     distances = [row["distance"] for record in scan.records if record["key"] in flagged
                  for row in record["evidence"]["weights_mismatch"]["rows"]]
-    observed["other_weights"] = {"keys": len(theirs), "flagged": len(flagged),
-                                       "row_distances": [min(distances), max(distances)] if distances else None}
+    observed["other_weights" if name == "mamba2-fp32-tp1" else f"{name}_other_weights"] = {
+        "keys": len(theirs), "flagged": len(flagged),
+        "row_distances": [min(distances), max(distances)] if distances else None}
     assert flagged == theirs
     assert {r["key"] for r in scan.report["findings"]} == theirs
     assert min(distances) > 0.05
@@ -405,13 +416,14 @@ def test_every_key_has_its_prefix_record_and_matches_it(session, models_dir, obs
     assert scan.keys_with("PREFIX_MISMATCH") == set() and ours == [], ours[:2]
 
 
-def test_another_requests_state_under_a_key_is_prefix_mismatch(session, models_dir, observed):
+@pytest.mark.parametrize("name", ["mamba2-fp32-tp1", "mamba1-fp32-tp1"])
+def test_another_requests_state_under_a_key_is_prefix_mismatch(session, models_dir, observed, name):
     """A key whose value is replaced by another request's state, that state's own key then removed
     (so no SHARED_CONTENT can tell): finite, non-zero, of these weights, and PREFIX_MISMATCH."""
     from audit.connection import Settings
     from audit.workload import Publisher
 
-    result = produced(session, models_dir, "mamba2-fp32-tp1")
+    result = produced(session, models_dir, name)
     victim, source = sorted(result.keys)[:2]
     values = _values(result.config, [victim, source])
     publisher = Publisher(Settings.resolve(config=result.config, admin=result.cluster.admin_url,
@@ -426,7 +438,8 @@ def test_another_requests_state_under_a_key_is_prefix_mismatch(session, models_d
                         "--block-tables", str(result.records))
     assert scan.report is not None, f"exit {scan.rc}: {scan.stderr[-800:]}"
     flagged = {r["key"]: r for r in scan.report["findings"] if r["key"] in set(result.keys)}
-    observed["prefix_swapped"] = {"victim": victim, "flagged": sorted(flagged)}
+    observed["prefix_swapped" if name == "mamba2-fp32-tp1" else f"{name}_prefix_swapped"] = {
+        "victim": victim, "flagged": sorted(flagged)}
     assert set(flagged) == {victim} and flagged[victim]["verdicts"] == ["PREFIX_MISMATCH"], flagged
     assert scan.keys_with("PREFIX_MISMATCH") == {victim} and scan.rc == 1
 

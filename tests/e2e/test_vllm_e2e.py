@@ -374,7 +374,8 @@ def test_d_second_engine_reads_keys_back(session, models_dir):
 
 def test_mamba1_has_no_cpu_kernel():
     """Mamba1 cannot run on the CPU build: none of vLLM's compiled ops libraries registers
-    selective_scan_fwd. If this fails, a newer build has it: add Mamba1 to the matrix."""
+    selective_scan_fwd (the binding e2e serves Mamba1 on the shim plugin's scan instead). If this
+    fails, a newer build has it: add Mamba1 to the matrix and drop the shim's scan."""
     import importlib.util
 
     libraries = sorted(Path(importlib.util.find_spec("vllm").origin).parent.glob("*.so"))

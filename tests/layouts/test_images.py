@@ -70,10 +70,11 @@ def test_what_is_not_bound_says_why(tmp_path):
     (tmp_path / "noweights" / "config.json").write_text(json.dumps({"model_type": "mamba2"}))
     with pytest.raises(LayoutError, match="no safetensors"):
         token_images(tmp_path / "noweights", "m", 1, 0)
-    (tmp_path / "mla").mkdir()
-    (tmp_path / "mla" / "config.json").write_text(json.dumps({"model_type": "mamba"}))  # Mamba1: no rule yet
+    (tmp_path / "linear").mkdir()  # Bailing's linear attention: no rule yet
+    (tmp_path / "linear" / "config.json").write_text(json.dumps(
+        {"model_type": "bailing_hybrid", "architectures": ["BailingMoeV2_5ForCausalLM"]}))
     with pytest.raises(LayoutError, match="no layer-0 image rule"):
-        token_images(tmp_path / "mla", "m", 1, 0)
+        token_images(tmp_path / "linear", "m", 1, 0)
     tiny_mamba2_checkpoint(tmp_path / "int8")
     path = tmp_path / "int8" / "model.safetensors"
     path.write_bytes(path.read_bytes().replace(b'"F32"', b'"I8" ', 1))
@@ -106,6 +107,54 @@ def _checkpoint(directory, config: dict, tensors: dict) -> dict:
     (directory / "config.json").write_text(json.dumps(config))
     write_safetensors(directory / "model.safetensors", tensors)
     return tensors
+
+
+def _mamba1_checkpoint(directory, rng, *, jamba: bool = False, bias: bool = False, attention_first: bool = False):
+    """A Mamba1 (or Jamba) of hidden 8, d_inner 16: layer 0's tensors only."""
+    if jamba:
+        config = {"model_type": "jamba", "architectures": ["JambaForCausalLM"], "hidden_size": 8, "mamba_expand": 2,
+                  "mamba_d_state": 4, "mamba_d_conv": 4, "num_hidden_layers": 2, "attn_layer_period": 2,
+                  "attn_layer_offset": 0 if attention_first else 1, "num_attention_heads": 2,
+                  "num_key_value_heads": 1, "vocab_size": 32, "rms_norm_eps": 1e-5}
+        names = ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
+                 "model.layers.0.mamba.in_proj")
+    else:
+        config = {"model_type": "mamba", "architectures": ["MambaForCausalLM"], "hidden_size": 8,
+                  "intermediate_size": 16, "state_size": 4, "conv_kernel": 4, "num_hidden_layers": 2,
+                  "vocab_size": 32, "layer_norm_epsilon": 1e-5}
+        names = ("backbone.embeddings.weight", "backbone.layers.0.norm.weight", "backbone.layers.0.mixer.in_proj")
+    tensors = {names[0]: rng.standard_normal((32, 8)).astype(np.float32),
+               names[1]: (1 + 0.1 * rng.standard_normal(8)).astype(np.float32),
+               names[2] + ".weight": rng.standard_normal((32, 8)).astype(np.float32)}  # [x; z]
+    if bias:
+        tensors[names[2] + ".bias"] = rng.standard_normal(32).astype(np.float32)
+    return names, _checkpoint(directory, config, tensors)
+
+
+@pytest.mark.parametrize("jamba, bias", [(False, False), (False, True), (True, True)])
+def test_mamba1_images_are_each_ranks_share_of_x(tmp_path, monkeypatch, jamba, bias):
+    # vLLM's MambaMixer: the pre-norm, in_proj a MergedColumnParallelLinear of [x, z] (each rank its
+    # share of each), the conv input x; a bias (Mamba's use_bias, Jamba's mamba_proj_bias) after it
+    monkeypatch.setenv("MOONCAKE_AUDIT_CACHE", str(tmp_path / "cache"))
+    (embed, norm, in_proj), tensors = _mamba1_checkpoint(tmp_path / "m1", np.random.default_rng(7), jamba=jamba,
+                                                         bias=bias)
+    x = _rms_normed(tensors[embed][[2, 9, 30]], tensors[norm]) @ tensors[in_proj + ".weight"][:16].T
+    if bias:
+        x = x + tensors[in_proj + ".bias"][:16]
+    for tp, rank, columns in ((1, 0, range(16)), (2, 0, range(0, 8)), (2, 1, range(8, 16))):
+        images = token_images(tmp_path / "m1", "m1", tp, rank)
+        assert images.region == "conv" and images.source["projection"] == in_proj + ".weight (x)"
+        np.testing.assert_allclose(images.images([2, 9, 30]), x[:, list(columns)], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(images.table[[2, 9, 30]], x[:, list(columns)][:, images.check_columns],
+                                   rtol=1e-4, atol=1e-5)
+    with pytest.raises(LayoutError, match="shard"):
+        token_images(tmp_path / "m1", "m1", 3, 0)
+
+
+def test_a_jamba_whose_layer0_is_attention_is_not_bound(tmp_path):
+    _mamba1_checkpoint(tmp_path / "j", np.random.default_rng(8), jamba=True, attention_first=True)
+    with pytest.raises(LayoutError, match="layer 0 is attention"):
+        token_images(tmp_path / "j", "j", 1, 0)
 
 
 def _lfm2_checkpoint(directory, rng) -> dict:

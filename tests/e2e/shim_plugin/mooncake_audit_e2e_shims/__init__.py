@@ -10,6 +10,8 @@ Always (when ``MOONCAKE_AUDIT_E2E_SHIMS`` is not ``0``):
     sets it back to 0 so the scheduler splits the prefill at block boundaries instead.
   - with ``MOONCAKE_AUDIT_E2E_OLMO_CPU=1``: OLMo Hybrid's GDN core on vLLM's CPU GDN op
     (``olmo_hybrid_cpu``; its own kernels are Triton-only);
+  - with ``MOONCAKE_AUDIT_E2E_MAMBA1_CPU=1``: Mamba1's prefill scan in plain torch (``mamba1_cpu``;
+    the CPU build registers no ``selective_scan_fwd``);
   - LMCache (``LMCacheConnectorV1``): a CPU connector between vLLM's CPU paged KV cache and
     LMCache's memory objects, installed once ``lmcache.v1.gpu_connector`` is imported
     (``lmcache_cpu``; nothing is imported from lmcache here).
@@ -42,6 +44,7 @@ SHIMS_ENV = "MOONCAKE_AUDIT_E2E_SHIMS"
 BUG_ENV = "MOONCAKE_AUDIT_E2E_BUG_53084"
 STALE_HASH_ENV = "MOONCAKE_AUDIT_E2E_BUG_STALE_HASH"
 OLMO_ENV = "MOONCAKE_AUDIT_E2E_OLMO_CPU"
+MAMBA1_ENV = "MOONCAKE_AUDIT_E2E_MAMBA1_CPU"
 NEVER_A_BLOCK = -1  # what the worker's NULL_BLOCK_ID checks compare against with the bug put back
 
 logger = logging.getLogger("vllm.mooncake_audit_e2e_shims")
@@ -62,6 +65,10 @@ def register() -> None:
             from mooncake_audit_e2e_shims import olmo_hybrid_cpu
 
             olmo_hybrid_cpu.install()
+        if _on(MAMBA1_ENV, "0"):
+            from mooncake_audit_e2e_shims import mamba1_cpu
+
+            mamba1_cpu.install()
     if _on(BUG_ENV, "0"):
         _reintroduce_53084()
     if _on(STALE_HASH_ENV, "0"):
