@@ -52,8 +52,10 @@ def _nearest(checked: np.ndarray, images) -> tuple[np.ndarray, np.ndarray]:
     row holding NaN or Inf is never near its first token, so only searched rows need `_finite`)."""
     centers, codes, order = images.probe_signs
     tokens = order[np.minimum(codes.searchsorted(sign_codes(checked[:, images.probe_index], centers)), len(codes) - 1)]
-    distances = _distances(checked, tokens[:, None], images)[:, 0]
-    missed = np.flatnonzero(distances > ROW_TOLERANCE)
+    apart = images.table[tokens] - checked  # `_distances` of one candidate a row, in two dimensions
+    squares = np.einsum("ij,ij->i", apart, apart) / np.maximum(images.table_squares[tokens], _TINY)
+    distances = np.sqrt(squares, dtype=np.float32)
+    missed = np.flatnonzero(~(distances <= ROW_TOLERANCE))  # NaN too: searched, and made finite there
     if len(missed):
         finite = _finite(checked[missed])
         tokens[missed], distances[missed] = _searched(finite, finite[:, images.probe_index], images)

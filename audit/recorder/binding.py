@@ -26,6 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from audit.checks.binding import ROW_TOLERANCE, nearest_on_checked
+from audit.checks.floats import decode_floats
+from audit.judge.prefixes import encoded_prefix_matches, prefix_matches
 from audit.layouts.manifest import segment_layer
 from audit.prefixrecords import (
     PREFIX_RECORD_PREFIX,
@@ -181,10 +184,6 @@ class StateBinder:
         images = self.images
         if images is None:
             return {}
-        from audit.checks.binding import ROW_TOLERANCE, nearest_on_checked
-        from audit.checks.floats import decode_floats
-        from audit.judge.prefixes import encoded_prefix_matches, prefix_matches
-
         pending: list[tuple[int, np.ndarray, Iterator]] = []  # (index, rows on the check columns, later readings)
         region, columns = record_region(images.region), images.check_columns
         records = {}  # index -> its chunk hash's record, as kept (`window_and_digest`): one lookup a key
