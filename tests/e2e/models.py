@@ -103,6 +103,8 @@ BINDING_MODELS: dict[str, TinyModel] = {m.name: m for m in [
     # no selective_scan_fwd): mamba-tiny's shape, both checkpoint dtypes
     TinyModel("mamba1-tiny", "mamba", "float32", mamba=True, block_size=16, serve_dtype="float32"),
     TinyModel("mamba1-tiny-bf16", "mamba", "bfloat16", mamba=True, block_size=16),
+    TinyModel("falcon-mamba-tiny", "falcon_mamba", "bfloat16", mamba=True, block_size=16),
+    TinyModel("jamba-tiny", "jamba", "bfloat16", mamba=True, block_size=None),
 ]}
 # Only in tests/e2e/test_binding_e2e.py (issue #40): attention models whose layer 0 vLLM computes
 # otherwise than Llama's: Qwen2's biased qkv_proj, Gemma 3's normalizer and 1 + w norm (layer 0
@@ -130,6 +132,15 @@ def hf_config(model: TinyModel):
                               expand=2, n_groups=1, conv_kernel=4, chunk_size=16, **common)
     if model.family == "mamba":
         return t.MambaConfig(hidden_size=64, num_hidden_layers=2, state_size=16, expand=2, conv_kernel=4, **common)
+    if model.family == "falcon_mamba":
+        return t.FalconMambaConfig(hidden_size=64, num_hidden_layers=2, state_size=16, expand=2, conv_kernel=4,
+                                   **common)
+    if model.family == "jamba":
+        # layer 0 Mamba, layer 1 attention (head dim 64: the CPU attention's); dense MLPs (one expert)
+        return t.JambaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=1, attn_layer_period=2, attn_layer_offset=1, num_experts=1,
+                             expert_layer_period=1, expert_layer_offset=0, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+                             use_mamba_kernels=False, max_position_embeddings=4096, **common)
     if model.family == "llama":
         # head_dim 64: the CPU attention refuses 16
         return t.LlamaConfig(**{**dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,

@@ -9,7 +9,8 @@ boundary); and the hybrids whose layer 0 holds a conv state: a Mamba2 mixer (Nem
 hybrid with its two groups, Zamba2, Falcon-H1 with and without muP multipliers), a Gated DeltaNet
 (Qwen3-Next, Qwen3.5's flat ``in_proj_qkv`` at TP 2, OLMo Hybrid) or LFM2's ShortConv (its rows are
 ``B * x``), bfloat16, at the block vLLM chooses, prompts sized in it; and Mamba1 (``x`` of
-``in_proj``'s ``[x, z]``) in float32 at TP 1 and bfloat16 at TP 2, on the shim plugin's CPU scan.
+``in_proj``'s ``[x, z]``) in float32 at TP 1 and bfloat16 at TP 2, Falcon-Mamba and Jamba (layer 0
+Mamba, layer 1 attention) in bfloat16, on the shim plugin's CPU scan.
 
 - The differential test: layer 0's conv rows of every value that holds them are the images,
   computed by the audit from ``model.safetensors`` (`audit.layouts.weights`), of the ``d_conv - 1``
@@ -95,6 +96,8 @@ CASES = {case.name: case for case in [
     # Mamba1 (x of in_proj's [x, z]), on the shim plugin's CPU scan: float32 at TP 1, bfloat16 at TP 2
     Case("mamba1-fp32-tp1", "mamba1-tiny", 1, "float32", 1e-5),
     Case("mamba1-bf16-tp2", "mamba1-tiny-bf16", 2, None, 0.01),
+    Case("falcon-mamba-tp1", "falcon-mamba-tiny", 1, None, 0.01),
+    Case("jamba-tp1", "jamba-tiny", 1, None, 0.01, block=None),  # layer 0 Mamba, layer 1 attention
 ]}
 
 
@@ -193,7 +196,7 @@ def _engine_env(family: str) -> dict | None:
     model never calls it)."""
     if family == "olmo_hybrid":
         return {OLMO_CPU_ENV: "1"}
-    if family == "mamba":
+    if family in ("mamba", "falcon_mamba", "jamba"):
         return {MAMBA1_CPU_ENV: "1"}
     if family == "qwen3_5_text":
         return {"PYTHONPATH": os.pathsep.join(filter(None, [str(STUBS), os.environ.get("PYTHONPATH")]))}
