@@ -86,7 +86,7 @@ CASES = {case.name: case for case in [
     Case("nemotron-h-tp1", "nemotron-h-tiny", 1, None, 0.01, block=None, shares_clean=True),
     Case("granite-4h-tp1", "granite-4h-tiny", 1, None, 0.01, block=None),
     Case("zamba2-tp1", "zamba2-tiny", 1, None, 0.01, block=None),
-    Case("lfm2-tp1", "lfm2-tiny", 1, None, 0.01, block=None, shares_clean=True),
+    Case("lfm2-tp1", "lfm2-tiny", 1, None, 0.01, block=None),  # its own engine: its store is planted in
     Case("falcon-h1-tp1", "falcon-h1-tiny", 1, None, 0.01, block=None, shares_clean=True),
     Case("falcon-h1-mup-tp1", "falcon-h1-mup-tiny", 1, None, 0.01, block=None),
     Case("qwen3-next-tp1", "qwen3-next-tiny", 1, None, 0.01, block=None, shares_clean=True),
@@ -419,20 +419,33 @@ def test_every_key_has_its_prefix_record_and_matches_it(session, models_dir, obs
     assert scan.keys_with("PREFIX_MISMATCH") == set() and ours == [], ours[:2]
 
 
-@pytest.mark.parametrize("name", ["mamba2-fp32-tp1", "mamba1-fp32-tp1"])
+# a pure Mamba2 and Mamba1, a Mamba2 hybrid, a GDN hybrid at TP 2, ShortConv: none shares its store
+SWAPPED_CASES = ["mamba2-fp32-tp1", "mamba1-fp32-tp1", "granite-4h-tp1", "qwen3-next-gqa-tp2", "lfm2-tp1"]
+
+
+@pytest.mark.parametrize("name", SWAPPED_CASES)
 def test_another_requests_state_under_a_key_is_prefix_mismatch(session, models_dir, observed, name):
-    """A key whose value is replaced by another request's state, that state's own key then removed
-    (so no SHARED_CONTENT can tell): finite, non-zero, of these weights, and PREFIX_MISMATCH."""
+    """A key holding layer 0 whose value is replaced by another request's state of the same group and
+    rank, that state's whole chunk then removed (so no SHARED_CONTENT, no incomplete chunk can tell):
+    finite, non-zero, of these weights, and PREFIX_MISMATCH, alone."""
     from audit.connection import Settings
     from audit.workload import Publisher
 
     result = produced(session, models_dir, name)
-    victim, source = sorted(result.keys)[:2]
+    regions = {r["key"]: r["regions"] for r in result.scan.records}
+    layer0 = sorted(key for key in result.keys
+                    if any(r["layer"] == 0 and r["region"] == "conv" for r in regions.get(key, ())))
+    victim = layer0[0]
+    fields = harness.key_fields(victim)
+    source = next(key for key in layer0[1:] if harness.key_fields(key)["hash"] != fields["hash"]
+                  and all(harness.key_fields(key)[f] == fields[f] for f in ("tp_rank", "group")))
+    chunk = [key for key in harness.all_keys(result.cluster)
+             if harness.key_fields(key)["hash"] == harness.key_fields(source)["hash"]]
     values = _values(result.config, [victim, source])
     publisher = Publisher(Settings.resolve(config=result.config, admin=result.cluster.admin_url,
                                            local_hostname="127.0.0.1"))
     try:
-        for key in (victim, source):
+        for key in (victim, *chunk):
             harness.remove_when_unleased(publisher, key)
         publisher.put(victim, values[source])
     finally:
