@@ -120,7 +120,7 @@ def block_tokens(block: int, family: str = "mamba2") -> list[int]:
 class KVMemory:
     """LAYERS registered buffers of NUM_BLOCKS pages; block 0 unused (vLLM's null block). On
     `device` cuda they are torch tensors in GPU memory, as a GPU consumer's caches are (`caches`:
-    vLLM's kv_caches for the guards' describe; empty in host memory)."""
+    vLLM's kv_caches for the guards' describe, in host or GPU memory, as vLLM hands them over)."""
 
     def __init__(self, fill: bool, images=None, family: str = "mamba2", device: str = "cpu"):
         rng = np.random.default_rng(1)
@@ -142,7 +142,7 @@ class KVMemory:
             for block in range(NUM_BLOCKS):
                 rows = images.images(block_tokens(block)).astype(np.float32)
                 self.buffers[0][block, :8 << 10] = rows.view(np.uint8).reshape(-1)
-        self.caches = {}
+        self.caches = {f"model.layers.{i}": buffer for i, buffer in enumerate(self.buffers)}
         if device == "cuda":
             import torch
 
@@ -187,7 +187,7 @@ def median_us(samples: list[float]) -> float:
 def guard(record_dir: Path, name: str, described: bool, model_path: Path | None = None,
           family: str = "mamba2", caches: dict | None = None) -> LoadGuard:
     """A load guard; with `model_path`, binding at layer 0 under that checkpoint (its images built now);
-    `caches`: the consumer's, where they are GPU memory."""
+    `caches`: the consumer's (host or GPU memory)."""
     binder = StateBinder(record_dir / name) if model_path is not None else None
     made = LoadGuard(DenyList(record_dir / name, RecordWriter(record_dir / name, stem="denied")), binder)
     if described:

@@ -4,6 +4,7 @@ through byte views of the caches' storages, and what the host needs of a batch i
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
 from collections.abc import Sequence
@@ -30,15 +31,31 @@ def host_bytes(address: int, size: int) -> np.ndarray:
 class CacheBytes:
     """The KV caches' bytes by address. `storages`: (base, bytes, uint8 view) of each storage in
     GPU memory (or, with `in_kernel`, of every cache tensor: the Triton interpreter on CPU tensors,
-    as the tests run the kernel); empty where the caches are host memory."""
+    as the tests run the kernel); empty where the caches are host memory. `host`: the same of each
+    cache in host memory (a CPU tensor's storage, or a numpy array), whose pages are then sliced
+    from one view made once (`host_view`) instead of a view made per page."""
 
     def __init__(self, kv_caches: dict | None = None, *, in_kernel: bool | None = None):
-        storages = {}
+        storages, host = {}, {}
         for tensor in cache_tensors(kv_caches or {}):
             if getattr(tensor, "is_cuda", False) if in_kernel is None else in_kernel:
                 storage = tensor.untyped_storage()
                 storages[storage.data_ptr()] = storage
+            elif (span := _host_span(tensor)) is not None:
+                host[span[0]] = span
         self.storages = sorted((base, storage.nbytes(), _byte_view(storage)) for base, storage in storages.items())
+        self.host = sorted((base, nbytes, view) for base, nbytes, view, _ in host.values())
+        self._host_bases = [base for base, _, _ in self.host]
+        self._kept = [owner for _, _, _, owner in host.values()]  # the storages the views read
+
+    def host_view(self, address: int, size: int) -> np.ndarray:
+        """`host_bytes(address, size)`, sliced from a described host cache where it lies in one."""
+        slot = bisect.bisect_right(self._host_bases, address) - 1
+        if slot >= 0:
+            base, nbytes, view = self.host[slot]
+            if address + size <= base + nbytes:
+                return view[address - base:address - base + size]
+        return host_bytes(address, size)
 
     def slots_of(self, addresses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The storage (index into `storages`) of each of an array of addresses, and its base."""
@@ -54,7 +71,7 @@ class CacheBytes:
         """The bytes at each (address, length), in host memory: views of host caches; from GPU
         memory, one copy to the host for all of them (one synchronisation a batch, not one a key)."""
         if not self.storages:
-            return [host_bytes(address, length) for address, length in ranges]
+            return [self.host_view(address, length) for address, length in ranges]
         import torch
 
         if not ranges:
@@ -71,6 +88,21 @@ class CacheBytes:
         segment ends sooner: what `StateBinder.refusals` reads of a load or a put."""
         return self.on_host([(addrs[i][s] + offset, max(0, min(length, sizes[i][s] - offset)))
                              for i, s, offset, length in wanted])
+
+
+def _host_span(tensor) -> tuple | None:
+    """(base, bytes, uint8 view, owner) of a cache in host memory: a contiguous numpy array, or a CPU
+    tensor's storage (the owner kept, so that its memory outlives the view); None for anything else."""
+    if isinstance(tensor, np.ndarray):
+        if not tensor.flags.c_contiguous or not tensor.nbytes:
+            return None
+        return tensor.ctypes.data, tensor.nbytes, tensor.reshape(-1).view(np.uint8), tensor
+    if getattr(tensor, "device", None) is None or getattr(tensor.device, "type", None) != "cpu":
+        return None
+    storage = tensor.untyped_storage()
+    if not storage.nbytes():
+        return None
+    return storage.data_ptr(), storage.nbytes(), host_bytes(storage.data_ptr(), storage.nbytes()), storage
 
 
 def _byte_view(storage):

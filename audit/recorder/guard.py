@@ -19,7 +19,7 @@ import numpy as np
 
 from audit.checks.loaded import LoadedRegion, combine, device_region_flags, refusal
 from audit.recorder.binding import StateBinder
-from audit.recorder.cachebytes import CacheBytes, host_bytes
+from audit.recorder.cachebytes import CacheBytes
 from audit.recorder.deny import DenyList
 
 _GROUP = re.compile(r"@group:(\d+)@")
@@ -95,7 +95,7 @@ class LoadGuard:
         else:
             found = {}
             for index in loaded:
-                segments = [host_bytes(ptr, size) for ptr, size in zip(addrs[index], sizes[index])]
+                segments = [self.memory.host_view(ptr, size) for ptr, size in zip(addrs[index], sizes[index])]
                 reason = refusal(segments, self._regions_of(keys[index]))
                 if reason is not None:
                     found[index] = reason
