@@ -52,10 +52,8 @@ def _nearest(checked: np.ndarray, images) -> tuple[np.ndarray, np.ndarray]:
     row holding NaN or Inf is never near its first token, so only searched rows need `_finite`)."""
     centers, codes, order = images.probe_signs
     tokens = order[np.minimum(codes.searchsorted(sign_codes(checked[:, images.probe_index], centers)), len(codes) - 1)]
-    apart = images.table[tokens] - checked  # `_distances` of one candidate a row, in two dimensions
-    squares = np.einsum("ij,ij->i", apart, apart) / np.maximum(images.table_squares[tokens], _TINY)
-    distances = np.sqrt(squares, dtype=np.float32)
-    missed = np.flatnonzero(~(distances <= ROW_TOLERANCE))  # NaN too: searched, and made finite there
+    distances = _distances(checked, tokens, images)
+    missed = np.flatnonzero(distances > ROW_TOLERANCE)
     if len(missed):
         finite = _finite(checked[missed])
         tokens[missed], distances[missed] = _searched(finite, finite[:, images.probe_index], images)
@@ -123,10 +121,14 @@ def _looked_up(checked: np.ndarray, row_codes: np.ndarray, images, rows: np.ndar
 
 
 def _distances(checked: np.ndarray, candidates: np.ndarray, images) -> np.ndarray:
-    """(n, k) relative L2 distances of each row (on the check columns) from its k candidates' images."""
-    full = images.checked_images(candidates.reshape(-1)).reshape(*candidates.shape, -1)
-    apart = full - checked[:, None, :]
-    squares = np.einsum("ijk,ijk->ij", apart, apart) / np.maximum(images.table_squares[candidates], _TINY)
+    """Relative L2 distances of each row (on the check columns) from its candidate's image, (n,) for
+    one a row (`candidates` (n,): the rows and images stay two-dimensional, the common case kept
+    cheap), or (n, k) from its k candidates' (`candidates` (n, k)); infinite where a row holds NaN."""
+    full = images.checked_images(candidates)  # (n, check) or (n, k, check)
+    one = candidates.ndim == 1
+    apart = full - (checked if one else checked[:, None, :])
+    squares = np.einsum("ij,ij->i" if one else "ijk,ijk->ij", apart, apart) / np.maximum(
+        images.table_squares[candidates], _TINY)
     distances = np.sqrt(squares, dtype=np.float32)  # (einsum: half the time of two norms, on a guard's path)
     distances[np.isnan(distances)] = np.inf
     return distances
