@@ -44,6 +44,12 @@ from audit.recorder.deny import RecordTail
 logger = logging.getLogger("vllm.mooncake_audit")
 
 _GROUP = re.compile(r"@group:(\d+)@")
+
+
+def key_group(key: str) -> int:
+    """The KV-cache group a vLLM key names (``@group:N@``; 0 for a key without one)."""
+    match = _GROUP.search(key)
+    return int(match.group(1)) if match else 0
 REFRESH_S = 0.02  # the prefix records are read again at most this often (only when a key's hash is missing)
 CAPACITY = 1 << 16  # prefix records kept (about 20 MB): a request's hashes are recorded just before its loads
 WEIGHTS_MISMATCH = "WEIGHTS_MISMATCH"
@@ -191,8 +197,7 @@ class StateBinder:
             self._gathers, self._gathers_of = {}, images
         bound: list[tuple[int, tuple]] = []  # (index, its group's gather), for the values bound here
         for index in loaded:
-            match = _GROUP.search(keys[index])
-            group = int(match.group(1)) if match else 0
+            group = key_group(keys[index])
             if (gather := self._gathers.get(group)) is None:
                 gather = self._gathers[group] = self._gather(self.layer0.get(group), images)
             if gather[1] is not None:

@@ -12,17 +12,15 @@ pages through their addresses. With a `StateBinder`, a value those checks pass i
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import numpy as np
 
 from audit.checks.loaded import LoadedRegion, combine, device_region_flags, refusal
-from audit.recorder.binding import StateBinder
+from audit.recorder.binding import StateBinder, key_group
 from audit.recorder.cachebytes import CacheBytes
 from audit.recorder.deny import DenyList
 
-_GROUP = re.compile(r"@group:(\d+)@")
 _WHOLE = np.iinfo(np.int64).max  # a region's length that is its segment's (`_laid_out`)
 
 
@@ -121,8 +119,7 @@ class LoadGuard:
         return found
 
     def _regions_of(self, key: str) -> list[list[LoadedRegion] | None] | None:
-        match = _GROUP.search(key)
-        return self.regions.get(int(match.group(1)) if match else 0)
+        return self.regions.get(key_group(key))
 
     def _check_on_device(self, keys, addrs, sizes, loaded: list[int]) -> dict[int, str]:
         """Every region of the batch, in one kernel launch per dtype across the caches' storages;
