@@ -13,7 +13,9 @@ records, a line each:
 
     version 1: {"hash": str (the chunk hash, as the key's last field), "window": int, "digest": str}
     version 2: {"v": 2, "hash": str, and either or both of "window"/"digest" (the conv window) and
-                "kv_window"/"kv_digest" (the KV block's tokens, oldest first)}
+                "kv_window"/"kv_digest" (the KV block's tokens, oldest first), and with a KV block
+                optionally "kv_start": int (its first token's position in the prompt; its K is
+                turned to it, `audit.layouts.rotary`)}
 
 A version-1 line reads as a conv window; a version-1 reader reads a version-2 line's conv window
 and counts a line with only a KV window as malformed (passed over).
@@ -71,20 +73,23 @@ def prefix_digest(tokens: Sequence[int]) -> str:
 
 
 def prefix_line(chunk_hash: str, window: int | None, tokens: Sequence[int] | None,
-                kv_tokens: Sequence[int] | None = None) -> str:
+                kv_tokens: Sequence[int] | None = None, kv_start: int | None = None) -> str:
     """A record of `chunk_hash`: its conv window's `tokens` (`window` of them), its KV block's
-    `kv_tokens`, or both; a conv window alone is written as version 1 (what older readers read)."""
+    `kv_tokens` from position `kv_start`, or both; a conv window alone is written as version 1 (what
+    older readers read)."""
     conv = "" if window is None else f',"window":{int(window)},"digest":"{prefix_digest(tokens)}"'
     if kv_tokens is None:
         return f'{{"hash":"{chunk_hash}"{conv}}}'
+    start = "" if kv_start is None else f',"kv_start":{int(kv_start)}'
     return (f'{{"v":2,"hash":"{chunk_hash}"{conv},"kv_window":{len(kv_tokens)},'
-            f'"kv_digest":"{prefix_digest(kv_tokens)}"}}')
+            f'"kv_digest":"{prefix_digest(kv_tokens)}"{start}}}')
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixDigest:
     window: int
     digest: str
+    start: int | None = None  # a KV block's first position, where recorded
 
 
 # What a record's window names, by the layer-0 region whose rows hold its tokens (`TokenImages.region`):
@@ -113,21 +118,40 @@ def hash_key(chunk_hash: str) -> bytes | str:
     return hashed if hashed and len(hashed) * 2 == len(chunk_hash) else chunk_hash.lower()
 
 
+_U64 = (1 << 64) - 1
+START_LIMIT = 1 << 32  # a KV block's start is packed below this
+
+
+def packed_record(digest: int, window: int, start: int | None = None) -> int:
+    """A record as one integer: ``(start + 1) << 96 | digest << 32 | window`` (no start: 0 above the digest)."""
+    return (0 if start is None else start + 1) << 96 | digest << 32 | window
+
+
 def _packed(entry: PrefixDigest) -> int | PrefixDigest:
-    """A record's window and 16-hex-digit digest as one integer (an object less per hash)."""
-    if _DIGEST.fullmatch(entry.digest) and 0 < entry.window < 1 << 32:
-        return int(entry.digest, 16) << 32 | entry.window
+    """A record's window, 16-hex-digit digest and start as one integer (an object less per hash)."""
+    if _DIGEST.fullmatch(entry.digest) and 0 < entry.window < 1 << 32 \
+            and (entry.start is None or 0 <= entry.start < START_LIMIT - 1):
+        return packed_record(int(entry.digest, 16), entry.window, entry.start)
     return entry
 
 
 def unpacked(value: int | PrefixDigest | None) -> PrefixDigest | None:
-    return PrefixDigest(value & 0xFFFFFFFF, f"{value >> 32:016x}") if isinstance(value, int) else value
+    if not isinstance(value, int):
+        return value
+    return PrefixDigest(value & 0xFFFFFFFF, f"{value >> 32 & _U64:016x}", record_start(value))
 
 
 def window_and_digest(value: int | PrefixDigest) -> tuple[int, int | str]:
     """A record as kept, read with no record object made: its window, and its digest as
     `digest_value`'s integer where packed, else as the record wrote it (`prefix_digest`'s text)."""
-    return (value & 0xFFFFFFFF, value >> 32) if isinstance(value, int) else (value.window, value.digest)
+    return (value & 0xFFFFFFFF, value >> 32 & _U64) if isinstance(value, int) else (value.window, value.digest)
+
+
+def record_start(value: int | PrefixDigest | None) -> int | None:
+    """A KV block record's first position, where it was recorded (None: not recorded, or no record)."""
+    if isinstance(value, int):
+        return (value >> 96) - 1 if value >> 96 else None
+    return None if value is None else value.start
 
 
 @dataclass
@@ -193,13 +217,16 @@ def prefix_record_paths(paths: Iterable[Path]) -> list[Path]:
     return found
 
 
-def _window(record: dict, window: str, digest: str) -> PrefixDigest | None:
+def _window(record: dict, window: str, digest: str, start: str | None = None) -> PrefixDigest | None:
     count, value = record.get(window), record.get(digest)
     if count is None and value is None:
         return None
     if not isinstance(value, str) or type(count) is not int or count < 1:
         raise Malformed(f"{digest} must be a string, {window} a positive integer")
-    return PrefixDigest(count, value)
+    first = None if start is None else record.get(start)
+    if first is not None and (type(first) is not int or first < 0):
+        raise Malformed(f"{start} must be a non-negative integer")
+    return PrefixDigest(count, value, first)
 
 
 def parse_prefix_record(record: dict) -> tuple[str, PrefixDigest | None, PrefixDigest | None]:
@@ -211,7 +238,7 @@ def parse_prefix_record(record: dict) -> tuple[str, PrefixDigest | None, PrefixD
     if version not in (1, 2) or type(version) is not int:
         raise Malformed(f"prefix record version {version!r} is not one this audit reads (1, 2)")
     conv = _window(record, "window", "digest")
-    block = _window(record, "kv_window", "kv_digest") if version == 2 else None
+    block = _window(record, "kv_window", "kv_digest", "kv_start") if version == 2 else None
     if conv is None and block is None:
         raise Malformed("a prefix record names a conv window, a KV block or both")
     return chunk_hash, conv, block
@@ -221,7 +248,8 @@ def parse_prefix_record(record: dict) -> tuple[str, PrefixDigest | None, PrefixD
 # Each reads as json.loads would read it (lowercase hex, no escapes, positive integers); any other
 # line takes the JSON path.
 RECORDER_LINE = re.compile(r'\{(?:"v":2,)?"hash":"([0-9a-f]+)"(?:,"window":([1-9][0-9]{0,8}),'
-                            r'"digest":"([0-9a-f]{16})")?(?:,"kv_window":([1-9][0-9]{0,8}),"kv_digest":"([0-9a-f]{16})")?\}\s*')
+                            r'"digest":"([0-9a-f]{16})")?(?:,"kv_window":([1-9][0-9]{0,8}),"kv_digest":"([0-9a-f]{16})"'
+                            r'(?:,"kv_start":(0|[1-9][0-9]{0,8}))?)?\}\s*')
 
 
 def recorder_line(line: str) -> tuple | None:
@@ -230,9 +258,10 @@ def recorder_line(line: str) -> tuple | None:
     found = RECORDER_LINE.fullmatch(line)
     if found is None:
         return None
-    chunk_hash, window, digest, kv_window, kv_digest = found.groups()
+    chunk_hash, window, digest, kv_window, kv_digest, kv_start = found.groups()
     if window is None and kv_window is None or kv_window is not None and not line.startswith('{"v":2,') \
             or len(chunk_hash) % 2:
         return None  # neither window, a KV block in a version-1 line, an odd hex hash: the JSON path
     return (bytes.fromhex(chunk_hash), chunk_hash, None if window is None else int(digest, 16) << 32 | int(window),
-            None if kv_window is None else int(kv_digest, 16) << 32 | int(kv_window))
+            None if kv_window is None else packed_record(int(kv_digest, 16), int(kv_window),
+                                                         None if kv_start is None else int(kv_start)))

@@ -26,10 +26,12 @@ from audit.prefixrecords import (
     PrefixDigest,
     PrefixRecords,
     hash_key,
+    packed_record,
     parse_prefix_record,
     prefix_record_paths,
     recorder_line,
     unpacked,
+    window_and_digest,
 )
 from audit.recordfiles import numbered_lines, parsed_lines
 
@@ -42,10 +44,11 @@ class HashTable:
 
     SPARSE = 16
 
-    def __init__(self, hashes: np.ndarray, digests: np.ndarray, windows: np.ndarray):
+    def __init__(self, hashes: np.ndarray, digests: np.ndarray, windows: np.ndarray, starts: np.ndarray | None = None):
         self.hashes = hashes    # (n,) S{length}
         self.digests = digests  # (n,) uint64
         self.windows = windows  # (n,) uint32
+        self.starts = starts    # (n,) uint32: a KV block's start + 1 (0: not recorded); None: none recorded
         self.leads = _leads(hashes)
         self.sparse = self.leads[::self.SPARSE].copy()
 
@@ -64,6 +67,11 @@ class HashTable:
             at[shared] = _rows(self.hashes, queries[shared])
             found[shared] = at[shared] >= 0
         return np.where(found, at, -1)
+
+    def packed(self, row: int) -> int:
+        """Row `row`'s record as `packed_record` keeps it."""
+        start = int(self.starts[row]) - 1 if self.starts is not None and self.starts[row] else None
+        return packed_record(int(self.digests[row]), int(self.windows[row]), start)
 
     def row(self, key: bytes) -> int:
         """`rows` of one hash, by one binary search (a key at a time: an attention page's block, a
@@ -100,46 +108,53 @@ class _Collected:
         self._start()
 
     def _start(self) -> None:
-        self.hashes, self.digests, self.windows = bytearray(), array("Q"), array("I")
+        self.hashes, self.digests, self.windows, self.starts = bytearray(), array("Q"), array("I"), array("I")
 
     def add(self, hashed: bytes, packed: int) -> None:
         self.hashes += hashed
-        self.digests.append(packed >> 32)
+        self.digests.append(window_and_digest(packed)[1])
         self.windows.append(packed & 0xFFFFFFFF)
+        self.starts.append(packed >> 96)  # the start + 1, 0 where none was recorded
         if len(self.digests) == self.PART:
             self._seal()
 
-    def extend(self, hashes: np.ndarray, digests: np.ndarray, windows: np.ndarray) -> None:
-        """Many records at once: hashes S{length}, digests, windows (a part of their own)."""
+    def extend(self, hashes: np.ndarray, digests: np.ndarray, windows: np.ndarray,
+               starts: np.ndarray | None = None) -> None:
+        """Many records at once: hashes S{length}, digests, windows, starts + 1 (a part of their own)."""
         self._seal()
         self.parts.append((hashes, digests.astype(np.uint64, copy=False),
-                           windows.astype(f"u{self.windows.itemsize}", copy=False)))
+                           windows.astype(f"u{self.windows.itemsize}", copy=False),
+                           np.zeros(len(hashes), np.uint32) if starts is None else starts.astype(np.uint32)))
 
     def _seal(self) -> None:
         if not self.digests:
             return
         self.parts.append((np.frombuffer(self.hashes, f"S{self.length}"), np.frombuffer(self.digests, np.uint64),
-                           np.frombuffer(self.windows, f"u{self.windows.itemsize}")))
+                           np.frombuffer(self.windows, f"u{self.windows.itemsize}"), np.frombuffer(self.starts, np.uint32)))
         self._start()
 
     def table(self) -> tuple[HashTable, set[bytes]]:
         """The records sorted, each hash once; and the hashes recorded with two digests (still in it)."""
         self._seal()
         parts, self.parts = self.parts, []
-        hashes, digests, windows = (np.concatenate(column) for column in zip(*parts))
+        hashes, digests, windows, starts = (np.concatenate(column) for column in zip(*parts))
         del parts
         order = np.argsort(hashes, kind="stable")
         hashes = hashes[order]  # (a column at a time: the peak is the columns and one sorted copy)
         digests = digests[order]
         windows = windows[order]
+        starts = starts[order] if starts.any() else None  # (a conv window's table: no column)
         del order
         repeated = hashes[1:] == hashes[:-1]
         if not repeated.any():
-            return HashTable(hashes, digests, windows), set()
+            return HashTable(hashes, digests, windows, starts), set()
         differs = repeated & ((digests[1:] != digests[:-1]) | (windows[1:] != windows[:-1]))
+        if starts is not None:
+            differs |= repeated & (starts[1:] != starts[:-1])
         conflicting = {row.tobytes() for row in _as_bytes(hashes[1:][differs])}
         first = np.concatenate(([True], ~repeated))
-        return HashTable(hashes[first], digests[first], windows[first]), conflicting
+        return HashTable(hashes[first], digests[first], windows[first],
+                         None if starts is None else starts[first]), conflicting
 
 
 def _as_bytes(hashes: np.ndarray) -> np.ndarray:
@@ -196,7 +211,7 @@ class PrefixTable:
         key = hash_key(chunk_hash)
         table = self.tables.get((region, len(key))) if isinstance(key, bytes) else None
         if table is not None and (row := table.row(key)) >= 0:
-            return int(table.digests[row]) << 32 | int(table.windows[row])
+            return table.packed(row)
         return self.rest.packed(chunk_hash, region)  # (a hash is in a table or here, never both)
 
     def tabled(self, hashes: np.ndarray, region: str = CONV) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -220,16 +235,16 @@ class PrefixTable:
             if not chosen or not len(table.hashes):
                 continue
             rows = table.rows(np.frombuffer(b"".join([keys[j] for j in chosen]), f"S{length}"))
-            for j, row, digest, window in zip(chosen, rows.tolist(), table.digests[rows].tolist(),
-                                              table.windows[rows].tolist()):
+            for j, row in zip(chosen, rows.tolist()):
                 if row >= 0:
-                    found[j] = digest << 32 | window
+                    found[j] = table.packed(row)
         return found
 
 
 def _without(table: HashTable, hashes: set[bytes], length: int) -> HashTable:
     dropped = np.isin(table.hashes, np.frombuffer(b"".join(h for h in hashes if len(h) == length) or b"", f"S{length}"))
-    return HashTable(table.hashes[~dropped], table.digests[~dropped], table.windows[~dropped])
+    return HashTable(table.hashes[~dropped], table.digests[~dropped], table.windows[~dropped],
+                     None if table.starts is None else table.starts[~dropped])
 
 
 def _distinct(tables: dict[tuple[str, int], HashTable], rest: PrefixRecords) -> int:
@@ -350,7 +365,7 @@ def _shapes(piece: bytes, first: int, collected: dict[tuple[str, int], _Collecte
         if found is None or recorder_line(template) is None:  # each line of this shape is looked at alone
             others += _texts(piece, starts, ends, lines, first)
             continue
-        spans = [found.span(group) for group in range(1, 6)]  # hash, window, digest, KV window, KV digest
+        spans = [found.span(group) for group in range(1, 7)]  # hash, window, digest, KV window, KV digest, KV start
         variable = np.zeros(length, bool)
         for start, end in spans:
             variable[max(start, 0):max(end, 0)] = True
@@ -359,18 +374,21 @@ def _shapes(piece: bytes, first: int, collected: dict[tuple[str, int], _Collecte
         for group, ((start, _), digits) in enumerate(zip(spans, values)):
             if start >= 0 and group in (1, 3):  # a window: decimal digits, the first not 0
                 same &= (digits < 10).all(axis=1) & (rows[:, start] != ord("0"))
+            elif start >= 0 and group == 5:  # a start: decimal digits, the first not 0 but in "0" itself
+                same &= (digits < 10).all(axis=1) & ((rows[:, start] != ord("0")) | (digits.shape[1] == 1))
             elif start >= 0:
                 same &= (digits < 16).all(axis=1)
         if not same.all():
             others += _texts(piece, starts, ends, lines[~same], first)
             values = [None if digits is None else digits[same] for digits in values]
         rest.records += int(same.sum())
-        nibbles, conv, conv_digest, kv, kv_digest = values
+        nibbles, conv, conv_digest, kv, kv_digest, kv_start = values
         hashes = (nibbles[:, 0::2] << 4 | nibbles[:, 1::2]).view(f"S{nibbles.shape[1] // 2}")[:, 0]
-        for region, window, digest in ((CONV, conv, conv_digest), (KV, kv, kv_digest)):
+        positions = None if kv_start is None else _number(kv_start, 10) + np.uint64(1)
+        for region, window, digest, start in ((CONV, conv, conv_digest, None), (KV, kv, kv_digest, positions)):
             if window is not None:
                 _collected(collected, region, hashes.dtype.itemsize).extend(hashes, _number(digest, 16),
-                                                                             _number(window, 10))
+                                                                             _number(window, 10), start)
     return others
 
 

@@ -26,7 +26,8 @@ record, so every value is bound and kept.
 With ``--family llama`` the values are a Llama's attention blocks instead (16 layers, one 64 KiB page
 each: 8 KV heads of 64, 16 tokens, float32, K then V per head as vLLM's CPU backend keeps them; hidden
 512, a 32,000-token vocabulary, random weights): binding decodes each block's 16 layer-0 V rows and
-compares them with its hash's KV-block record.
+compares them with its hash's KV-block record, and the first KV head's K rows (its tokens' K turned
+to the block's recorded start) with their tokens' K there.
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ def write_model(directory: Path, family: str = "mamba2") -> Path:
             "model.embed_tokens.weight": rng.standard_normal((LLAMA["vocab_size"], hidden), dtype=np.float32) * 0.02,
             "model.layers.0.input_layernorm.weight": 1 + 0.1 * rng.standard_normal(hidden, dtype=np.float32),
             "model.layers.0.self_attn.v_proj.weight": rng.standard_normal((KV_HEADS * HEAD, hidden),
+                                                                          dtype=np.float32) * 0.03,
+            "model.layers.0.self_attn.k_proj.weight": rng.standard_normal((KV_HEADS * HEAD, hidden),
                                                                           dtype=np.float32) * 0.03})
         return directory
     (directory / "config.json").write_text(json.dumps(CONFIG))
@@ -108,6 +111,22 @@ def write_model(directory: Path, family: str = "mamba2") -> Path:
         "backbone.layers.0.norm.weight": 1 + 0.1 * rng.standard_normal(hidden, dtype=np.float32),
         "backbone.layers.0.mixer.in_proj.weight": rng.standard_normal((rows, hidden), dtype=np.float32) * 0.03})
     return directory
+
+
+def block_start(block: int) -> int:
+    """The position a Llama block's first token had in its prompt (its K is turned to it)."""
+    return BLOCK_TOKENS * block
+
+
+def turned_keys(images, tokens: list[int], start: int) -> np.ndarray:
+    """The first KV head's K of `tokens` at positions from `start` (tokens, HEAD): vLLM's llama.py at layer 0."""
+    from audit.layouts.rotary import rotate
+
+    keys = images.keys
+    k = keys.pre_rotary(images.normed(images.embeddings.rows(np.asarray(tokens))))
+    half = keys.rotary.rotary_dim // 2
+    angles = keys.rotary.angles(start + np.arange(len(tokens)), np.arange(half))
+    return np.concatenate(rotate(k[:, :half], k[:, half:2 * half], angles), axis=1).astype(np.float32)
 
 
 def block_tokens(block: int, family: str = "mamba2") -> list[int]:
@@ -138,6 +157,9 @@ class KVMemory:
                 page = self.buffers[0][block].view(np.float32).reshape(KV_HEADS, 2, BLOCK_TOKENS, HEAD)
                 v = images.images(block_tokens(block, family)).reshape(BLOCK_TOKENS, KV_HEADS, HEAD)
                 page[:, 1] = v.transpose(1, 0, 2)
+                if images.keys is not None:  # the first head's K, transposed as the CPU backend keeps it
+                    k = turned_keys(images, block_tokens(block, family), block_start(block))
+                    page[0, 0] = np.ascontiguousarray(k.T).reshape(BLOCK_TOKENS, HEAD)
         elif fill and images is not None:  # layer 0's conv rows: the images of each block's tokens
             for block in range(NUM_BLOCKS):
                 rows = images.images(block_tokens(block)).astype(np.float32)
@@ -174,9 +196,10 @@ def write_prefix_records(directory: Path, keys: list[str], family: str = "mamba2
     from audit.prefixrecords import prefix_line
 
     directory.mkdir(parents=True, exist_ok=True)
-    tokens = [block_tokens(1 + i % (NUM_BLOCKS - 1), family) for i in range(len(keys))]
-    lines = [prefix_line(key.rpartition("@")[2], None, None, block) if family == "llama"
-             else prefix_line(key.rpartition("@")[2], 2, block) for key, block in zip(keys, tokens)]
+    blocks = [1 + i % (NUM_BLOCKS - 1) for i in range(len(keys))]
+    lines = [prefix_line(key.rpartition("@")[2], None, None, block_tokens(block, family), block_start(block))
+             if family == "llama" else prefix_line(key.rpartition("@")[2], 2, block_tokens(block))
+             for key, block in zip(keys, blocks)]
     (directory / "prefixes-bench-0-0000.jsonl").write_text("\n".join(lines) + "\n")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from audit.layouts.images import sign_codes
+from audit.layouts.rotary import decode_start, rotate
 
 # A row further than this (relative L2) from its nearest token's image is not an image under
 # these weights. Measured: healthy rows <= 0.0038 (bfloat16), other weights >= 0.22.
@@ -132,3 +133,35 @@ def _distances(checked: np.ndarray, candidates: np.ndarray, images) -> np.ndarra
     distances = np.sqrt(squares, dtype=np.float32)  # (einsum: half the time of two norms, on a guard's path)
     distances[np.isnan(distances)] = np.inf
     return distances
+
+
+def key_positions(k_rows: np.ndarray, tokens: np.ndarray, keys, start: int | None = None) -> tuple[int, np.ndarray]:
+    """An attention page's layer-0 K rows of one head (rows, head_size), oldest first, against the
+    tokens their V rows decoded to (`keys`: `audit.layouts.images.KeyImages`): the position of the
+    first row (`start` where given, else decoded: `audit.layouts.rotary.decode_start`), and each
+    row's relative distance from its token's K turned to that position plus its row. A healthy
+    page's rows are all within ROW_TOLERANCE at consecutive positions from its block's start; K
+    computed at other positions, or of other tokens than its V, are not."""
+    probed = probed_key_rows(k_rows, keys)
+    tokens = np.asarray(tokens)
+    if start is None:
+        pre, half = keys.table[tokens], len(keys.pairs)
+        start = decode_start(probed[:, :half], probed[:, half:], pre[:, :half], pre[:, half:], keys.rotary, keys.pairs)
+    return start, key_distances(probed, tokens, start + np.arange(len(k_rows)), keys)
+
+
+def probed_key_rows(k_rows: np.ndarray, keys) -> np.ndarray:
+    """K rows of a head (rows, head_size) on the table's columns (`KeyImages.columns`), as float32."""
+    return np.asarray(k_rows[:, keys.columns], dtype=np.float32)
+
+
+def key_distances(probed: np.ndarray, tokens: np.ndarray, positions: np.ndarray, keys) -> np.ndarray:
+    """Each K row (on the table's columns: `probed_key_rows`, any pages' rows together) against its
+    token's K turned to its position: relative distance (infinite for a row with NaN or Inf)."""
+    pre, half = keys.table[tokens], len(keys.pairs)
+    want_first, want_second = rotate(pre[:, :half], pre[:, half:], keys.rotary.angles(positions, keys.pairs))
+    want_first -= probed[:, :half]
+    want_second -= probed[:, half:]
+    miss = np.einsum("ij,ij->i", want_first, want_first) + np.einsum("ij,ij->i", want_second, want_second)
+    distances = np.sqrt(miss / np.maximum(keys.table_squares[tokens], np.float32(1e-30)))
+    return np.where(np.isnan(distances), np.inf, distances)

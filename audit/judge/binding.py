@@ -17,14 +17,14 @@ from pathlib import Path
 
 import numpy as np
 
-from audit.checks.binding import ROW_TOLERANCE, nearest_tokens
+from audit.checks.binding import ROW_TOLERANCE, key_distances, key_positions, nearest_tokens, probed_key_rows
 from audit.checks.floats import FLOAT_DTYPES, decode_floats
 from audit.judge.fingerprints import ProducerWeights
 from audit.judge.prefixes import check_prefixes
 from audit.layouts import LayoutError
 from audit.layouts.checkpoint import Checkpoint
 from audit.layouts.weights import token_images
-from audit.prefixrecords import CONV, KV
+from audit.prefixrecords import CONV, KV, record_start, window_and_digest
 from audit.prefixtable import PrefixTable
 from audit.producers.vllm import split_stem
 from audit.records import KeyRecord, Verdict
@@ -50,6 +50,7 @@ class Bindings:
     prefixes: PrefixTable | None = None       # the producers' prefix records (--block-tables DIR)
     decoded: Counter = field(default_factory=Counter)
     prefix_checked: int = 0
+    k_checked: int = 0  # attention pages whose layer-0 K was checked at its tokens' positions
     _images: dict = field(default_factory=dict, repr=False)
     _counting: threading.Lock = field(default_factory=threading.Lock, repr=False)  # batches are judged in threads
 
@@ -87,14 +88,21 @@ class Bindings:
         bound = set(self.decoded) - set(self.unbound)  # images built are not enough: a key decoded
         not_bound = {model: self.unbound.get(model, NO_LAYER0_STATE) for model in self.directories
                      if model not in bound}
+        keys = {model: images.keys_not_bound for (model, _, _), images in self._images.items()
+                if model in bound and images.region == "v" and images.keys is None}
+        positions = {"k_checked": self.k_checked, "k_not_bound": keys} if self.k_checked or keys else {}
         return {"bound": sorted(bound), "not_bound": not_bound, "row_tolerance": ROW_TOLERANCE,
-                "keys_decoded": {model: self.decoded[model] for model in sorted(bound)}, **extra}
+                "keys_decoded": {model: self.decoded[model] for model in sorted(bound)}, **positions, **extra}
 
     def __getstate__(self) -> dict:  # (--ray: a task's plan is pickled; a lock cannot be)
         return {name: value for name, value in self.__dict__.items() if name != "_counting"}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, _counting=threading.Lock())
+
+    def count_k_checked(self, checked: int) -> None:
+        with self._counting:
+            self.k_checked += checked
 
     def count(self, decoded: Counter, prefix_checked: int) -> None:
         """Add a batch's keys decoded (per model) and compared with their prefix records."""
@@ -172,30 +180,41 @@ def bind_values(records: list[KeyRecord], values: Values, readings: list, bindin
             of_prefix.append((images, [records[members[j]] for j in np.flatnonzero(binds).tolist()], tokens[binds]))
         for j in np.flatnonzero(~binds).tolist():  # the first reading, decoded, does not bind:
             i = members[j]                         # the later ones are made one at a time
-            tried[i] = [(images, tokens[j], distances[j])]
+            tried[i] = [(images, tokens[j], distances[j], None)]
             later_of[i] = itertools.islice(_readings(records[i], values.value(i), readings[i], bindings), 1, None)
     pending = [(i, reading, later) for i, later in later_of.items() if (reading := next(later, None)) is not None]
     while pending:
         groups: dict[int, list] = {}
-        for i, (images, rows), _ in pending:
-            groups.setdefault(id(images), [images, []])[1].append((i, rows))
+        for i, (images, rows, order), _ in pending:
+            groups.setdefault(id(images), [images, []])[1].append((i, rows, order))
         for images, members in groups.values():
-            tokens, distances = nearest_tokens(np.concatenate([rows for _, rows in members]), images)
+            tokens, distances = nearest_tokens(np.concatenate([rows for _, rows, _ in members]), images)
             start = 0
-            for i, rows in members:
+            for i, rows, order in members:
                 end = start + len(rows)
-                tried.setdefault(i, []).append((images, tokens[start:end], distances[start:end]))
+                tried.setdefault(i, []).append((images, tokens[start:end], distances[start:end], order))
                 start = end
         unbound = [(i, later) for i, _, later in pending if not (tried[i][-1][2] <= ROW_TOLERANCE).all()]
         pending = [(i, reading, later) for i, later in unbound if (reading := next(later, None)) is not None]
+    keyed: dict[int, tuple] = {}  # id(images) -> (images, attention pages bound: their K checked as one batch)
+    one_by_one_prefixes: dict[int, tuple] = {}  # id(images) -> (images, records, their tokens): one check each
     for i, outcomes in tried.items():
-        bound = [(images, tokens) for images, tokens, distances in outcomes if (distances <= ROW_TOLERANCE).all()]
+        bound = [(images, tokens, order) for images, tokens, distances, order in outcomes
+                 if (distances <= ROW_TOLERANCE).all()]
         if not bound:
-            images, tokens, distances = outcomes[0]
+            images, tokens, distances, _ = outcomes[0]
             _flag(records[i], tokens, distances, images)
-        elif bindings.prefixes is not None:  # these weights' state: of the prefix its hash names?
-            images, tokens = bound[0]
-            of_prefix.append((images, [records[i]], [tokens]))
+            continue
+        images, tokens, where = bound[0]
+        if where is not None and images.keys is not None:  # an attention page: its K at its tokens' positions?
+            keyed.setdefault(id(images), (images, []))[1].append((records[i], values.value(i), where, tokens))
+        if bindings.prefixes is not None:  # these weights' state: of the prefix its hash names?
+            one_by_one_prefixes.setdefault(id(images), (images, [], []))
+            one_by_one_prefixes[id(images)][1].append(records[i])
+            one_by_one_prefixes[id(images)][2].append(tokens)
+    for images, pages in keyed.values():
+        bindings.count_k_checked(bind_keys(pages, images))
+    of_prefix += one_by_one_prefixes.values()
     decoded.update(tried[i][0][0].model for i in one_by_one if i in tried)
     checked = sum(check_prefixes(bound_records, tokens, images, bindings.prefixes)
                   for images, bound_records, tokens in of_prefix)
@@ -285,8 +304,9 @@ def _first_conv_reading(size: int, rank: int, layouts, bindings: Bindings) -> tu
 
 
 def _readings(record: KeyRecord, value, layouts, bindings: Bindings) -> Iterator[tuple]:
-    """(images, rows) of `value`'s layer-0 token rows under each of its readings, the likeliest first,
-    each made only when asked for."""
+    """(images, rows, where) of `value`'s layer-0 token rows under each of its readings, the likeliest
+    first, each made only when asked for; `where`, for an attention page's V rows: (its region, which
+    of `token_rows`' byte orders), where its K rows are (`key_rows`)."""
     seen = set()
     for layout in layouts:
         if layout.size != record.size or layer0_region(layout) is None:
@@ -297,25 +317,25 @@ def _readings(record: KeyRecord, value, layouts, bindings: Bindings) -> Iterator
         if region is None or region in seen:
             continue
         seen.add(region)
-        filled = _filled_rows(record, images.region, bindings.prefixes)
-        for rows in token_rows(value, region, images.region):
+        block = _block_record(record, images.region, bindings.prefixes)
+        filled = None if block is None else window_and_digest(block)[0]
+        for order, rows in enumerate(token_rows(value, region, images.region)):
             rows = rows[:filled, :images.columns] if images.region == "latent" else rows[:filled]
             if rows.shape[1] != images.columns:  # (every byte order of a region has the same width)
                 bindings.unbound[layout.model] = (f"layer 0's {images.region} rows have {rows.shape[1]} columns "
                                                   f"at TP {layout.tp_size}, the image rule {images.columns}")
                 break
-            yield images, rows
+            yield images, rows, ((region, order, record_start(block)) if images.region == "v" else None)
 
 
-def _filled_rows(record: KeyRecord, kind: str, prefixes: PrefixTable | None) -> int | None:
-    """How many of an attention page's V (or latent) rows are its block's tokens, where its producer
-    recorded the block (a partial tail block is keyed at its last token, and its later rows hold
-    whatever the page held before); None: every row (a conv state, or no record)."""
+def _block_record(record: KeyRecord, kind: str, prefixes: PrefixTable | None):
+    """An attention page's block record, as kept (None: a conv state, or no record): how many of its
+    V (or latent) rows are its block's tokens (a partial tail block is keyed at its last token, and
+    its later rows hold whatever the page held before), and where recorded the block's start."""
     if kind == CONV or prefixes is None:
         return None
     split = split_stem(record.key)
-    block = prefixes.get(split[1], KV) if split else None
-    return None if block is None else block.window
+    return prefixes.packed(split[1], KV) if split else None
 
 
 def token_rows(value, region, kind: str) -> Iterator[np.ndarray]:
@@ -349,6 +369,74 @@ def token_rows(value, region, kind: str) -> Iterator[np.ndarray]:
     orders = (by_head, interleaved) if heads == 1 else (by_head, interleaved, token_major)  # one head: the same
     for v in orders:  # views: each copied only when its turn comes
         yield np.ascontiguousarray(v.reshape(tokens, heads * size), dtype=np.float32)
+
+
+def key_rows(value, region, order: int, head: int) -> Iterator[np.ndarray]:
+    """One KV head's layer-0 K rows (tokens, head_size), oldest first, under `token_rows`' `order`-th
+    byte order of an attention page, each way its K may lie: vLLM 0.32's CPU backend keeps a head's
+    K transposed, a dimension's every token together ((head_size, tokens), then its V by token:
+    proved on a real vLLM's keys), a backend that keeps K as it keeps V by token; the page
+    interface's orders keep a token's k beside its v."""
+    data = value[region.offset:region.offset + region.length]
+    if not isinstance(data, np.ndarray):  # a torch tensor on the GPU
+        data = data.cpu().numpy()
+    heads, tokens, width = region.shape
+    numbers, size = decode_floats(data, region.dtype), width // 2
+    if order == 0:
+        yield numbers.reshape(heads, 2, size, tokens)[head, 0].T
+        yield numbers.reshape(heads, 2, tokens, size)[head, 0]
+    elif order == 1:
+        yield numbers.reshape(heads, tokens, 2, size)[head, :, 0]
+    else:
+        yield numbers.reshape(tokens, heads, 2, size)[:, head, 0]
+
+
+def bind_keys(pages: list[tuple], images) -> int:
+    """PREFIX_MISMATCH on each attention page (record, value, (region, byte order, recorded start),
+    tokens its V rows bound to) whose K rows, read any way they may lie (`key_rows`), are not those
+    tokens' K at consecutive positions from its block's start: the start its producer recorded for
+    the key's hash, else any multiple of the page's rows (`key_positions`): KV computed at other
+    positions (a block of the same tokens from elsewhere in a prompt, an off-by-some position), or K
+    of other tokens than its V. The pages with a recorded start, read in their V's order first, are
+    judged as one array; the others, and any that do not fit there, one at a time. How many pages
+    were checked."""
+    keys, at_once, alone = images.keys, [], []
+    for page in pages:
+        (at_once if page[2][2] is not None else alone).append(page)
+    if at_once:
+        probed = [probed_key_rows(next(key_rows(value, region, order, keys.head))[:len(tokens)], keys)
+                  for _, value, (region, order, _), tokens in at_once]
+        lengths = [len(rows) for rows in probed]
+        positions = np.concatenate([start + np.arange(n) for (_, _, (_, _, start), _), n in zip(at_once, lengths)])
+        near = key_distances(np.concatenate(probed), np.concatenate([tokens for *_, tokens in at_once]).astype(np.int64),
+                             positions, keys) <= ROW_TOLERANCE
+        fits = np.logical_and.reduceat(near, np.cumsum(lengths) - lengths).tolist()
+        alone += [page for page, fit in zip(at_once, fits) if not fit]
+    for record, value, where, tokens in alone:
+        _bind_page_keys(record, value, where, tokens, keys)
+    return len(pages)
+
+
+def _bind_page_keys(record: KeyRecord, value, where: tuple, tokens, keys) -> None:
+    """`bind_keys` of one page, every way its K may lie; flagged with the evidence of the likeliest."""
+    region, order, recorded = where
+    block, best = region.shape[1], None
+    for rows in key_rows(value, region, order, keys.head):
+        start, distances = key_positions(rows[:len(tokens)], np.asarray(tokens), keys, recorded)
+        if (distances <= ROW_TOLERANCE).all() and (recorded is not None or start % block == 0):
+            return
+        if best is None or distances.max() < best[2].max():
+            best = (rows[:len(tokens)], start, distances)
+    rows, start, distances = best
+    decoded = start if recorded is None else key_positions(rows, np.asarray(tokens), keys)[0]
+    if Verdict.PREFIX_MISMATCH not in record.verdicts:
+        record.verdicts.append(Verdict.PREFIX_MISMATCH)
+    worst = int(np.argmax(distances))
+    record.evidence["key_positions"] = {
+        "layer": 0, "region": "k", "decoded_start": decoded, "recorded_start": recorded, "block_tokens": block,
+        "rows_beyond_tolerance": int((distances > ROW_TOLERANCE).sum()), "rows": len(distances),
+        "worst_row": worst, "worst_distance": round(float(distances[worst]), 6), "row_tolerance": ROW_TOLERANCE,
+        "rotary": keys.source.get("rotary")}
 
 
 def _flag(record: KeyRecord, tokens, distances, images) -> None:

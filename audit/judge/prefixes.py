@@ -87,7 +87,8 @@ def check_prefix(record: KeyRecord, tokens: np.ndarray, images, prefixes: Prefix
     if matches is not False:
         return None if matches is None else False
     window = window_tokens(tokens, expected.window, region)
-    record.verdicts.append(Verdict.PREFIX_MISMATCH)
+    if Verdict.PREFIX_MISMATCH not in record.verdicts:  # (its K may have said so: `audit.judge.binding`)
+        record.verdicts.append(Verdict.PREFIX_MISMATCH)
     record.evidence["prefix_mismatch"] = {
         "chunk_hash": split[1], "region": images.region, "window": expected.window,
         "recorded_digest": expected.digest, "decoded_digest": prefix_digest(window), "digest": DIGEST,

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .rotary import Rotary
+
 CHECK_COLUMNS = 64  # the columns a row is compared with its token's image on (all, below that many)
 # Of those, the ones a row is looked up by (their signs: a 32-bit code) and searched for on. 16 left
 # 16% of a hidden-32 Mamba2's rows on codes that more than 8 tokens share (each then a vocabulary
@@ -44,6 +46,25 @@ def cache_dir() -> Path:
     return Path(root) / "token-images"
 
 
+def cached_table(path: Path | None, shape: tuple[int, int], build) -> np.ndarray:
+    """The table kept at `path` where it has `shape`, else `build()`'s, kept there (a cache that
+    cannot be written only makes the next process build it again)."""
+    try:
+        cached = np.load(path) if path is not None and path.is_file() else None
+    except (OSError, ValueError):
+        cached = None
+    if cached is not None and cached.shape == shape:
+        return cached
+    table = build()
+    if path is not None:
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f"{path.name}.{os.getpid()}.partial.npy")
+            np.save(partial, table)
+            os.replace(partial, path)
+    return table
+
+
 @dataclass(frozen=True)
 class TokenImages:
     """One TP rank's layer-0 state rows of every token: ``images(tokens)`` (n, columns), float32."""
@@ -64,6 +85,8 @@ class TokenImages:
     #                                 "latent" (an MLA page's normed latent, the first `columns` numbers a token)
     source: dict = field(default_factory=dict)  # which tensors, for the report
     checkpoint: str = ""            # the checkpoint's identity (`Checkpoint.identity`): the probe's cache key
+    keys: KeyImages | None = None   # attention's K before its rotation (`region` "v"), where its rule is known
+    keys_not_bound: str = ""        # why K is not bound (an attention rule without `keys`)
 
     def __post_init__(self):
         if sum(extra is not None for extra in (self.gate, self.bias, self.post_norm)) > 1:
@@ -79,7 +102,7 @@ class TokenImages:
 
     def images(self, tokens) -> np.ndarray:
         """Every column of the tokens' images, computed from the checkpoint."""
-        normed = self._normed(self.embeddings.rows(np.asarray(tokens)))
+        normed = self.normed(self.embeddings.rows(np.asarray(tokens)))
         projected = normed @ self.weight.T
         if self.bias is not None:
             projected += self.bias
@@ -149,7 +172,7 @@ class TokenImages:
                 classes[int(token)] = members
         return classes
 
-    def _normed(self, embedded: np.ndarray) -> np.ndarray:
+    def normed(self, embedded: np.ndarray) -> np.ndarray:
         """Layer 0's mixer input of embedded tokens: scaled, then through the RMSNorm."""
         h = embedded * np.float32(self.embedding_scale)
         if self.norm_weight is None:
@@ -161,21 +184,7 @@ class TokenImages:
         """Every token's image on `check_columns` (vocab, check), kept in the user's cache
         (`cache_dir`) once built: a scan from cron reads it instead of the embeddings, and judging a
         row then multiplies nothing (a row of it per candidate token)."""
-        path = self._cache_path()
-        try:
-            cached = np.load(path) if path is not None and path.is_file() else None
-        except (OSError, ValueError):
-            cached = None
-        if cached is not None and cached.shape == (self.vocab_size, len(self.check_columns)):
-            return cached
-        table = self._build_table()
-        if path is not None:
-            with contextlib.suppress(OSError):  # a cache that cannot be written is only slower
-                path.parent.mkdir(parents=True, exist_ok=True)
-                partial = path.with_name(f"{path.name}.{os.getpid()}.partial.npy")
-                np.save(partial, table)
-                os.replace(partial, path)
-        return table
+        return cached_table(self._cache_path(), (self.vocab_size, len(self.check_columns)), self._build_table)
 
     def _cache_path(self) -> Path | None:
         if not self.checkpoint:
@@ -197,7 +206,7 @@ class TokenImages:
         if self.post_norm is not None:
             table = np.empty((self.vocab_size, len(self.check_columns)), dtype=np.float32)
             for first, block in self.embeddings.blocks(TABLE_BLOCK_ROWS):
-                projected = self._post_normed(self._normed(block) @ self.weight.T)
+                projected = self._post_normed(self.normed(block) @ self.weight.T)
                 table[first:first + len(block)] = projected[:, self.check_columns]
             return table
         norm = self.norm_weight if self.norm_weight is not None else 1
@@ -216,4 +225,63 @@ class TokenImages:
             table[first:first + len(block)] = projected
         if self.bias is not None:
             table += self.bias[self.check_columns]
+        return table
+
+
+@dataclass(frozen=True)
+class KeyImages:
+    """Layer 0's K of every token before its rotation, for one of a rank's KV heads, on the columns of
+    `rotary.probed_pairs` (vocab, 2 * pairs: each pair's first columns, then its second). The input is
+    V's (`normed_by`: the same embeddings, scale and norm); a per-head norm (``k_norm``: Qwen3's,
+    Gemma 3's) needs the head's every column, so a block of the vocabulary is projected whole on it."""
+
+    normed_by: TokenImages
+    weight: np.ndarray               # (head_size, hidden): the head's rows of the K projection
+    rotary: Rotary
+    head: int = 0                    # which of the rank's KV heads these rows are
+    bias: np.ndarray | None = None   # (head_size,)
+    head_norm: np.ndarray | None = None  # (head_size,): the k_norm's weight (already 1 + w for a Gemma norm)
+    head_eps: float = 1e-6
+    source: dict = field(default_factory=dict)  # which tensors and rotation, for the report
+
+    @cached_property
+    def pairs(self) -> np.ndarray:
+        return self.rotary.probed_pairs
+
+    @cached_property
+    def columns(self) -> np.ndarray:
+        """The head's columns the table holds: each probed pair's first, then each one's second."""
+        return np.concatenate(self.rotary.columns(self.pairs))
+
+    @cached_property
+    def table_squares(self) -> np.ndarray:
+        """Each token's squared norm on the table's columns (a turn keeps it): a distance's denominator."""
+        return np.einsum("ij,ij->i", self.table, self.table)
+
+    def pre_rotary(self, normed: np.ndarray) -> np.ndarray:
+        """Normed inputs' K over the head's every column, before the rotation."""
+        k = normed @ self.weight.T
+        if self.bias is not None:
+            k += self.bias
+        if self.head_norm is not None:
+            k = k / np.sqrt(np.mean(k * k, axis=-1, keepdims=True) + np.float32(self.head_eps)) * self.head_norm
+        return k
+
+    @cached_property
+    def table(self) -> np.ndarray:
+        images = self.normed_by
+        digest = hashlib.sha256(np.ascontiguousarray(self.weight).tobytes())
+        for extra in (self.bias, self.head_norm, self.rotary.inv_freq):
+            if extra is not None:
+                digest.update(np.ascontiguousarray(extra).tobytes())
+        key = json.dumps(["k", images.checkpoint, images.tp_size, images.tp_rank, self.head, self.columns.tolist(),
+                          images.eps, self.head_eps, images.embedding_scale, self.source, digest.hexdigest()])
+        path = cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.npy" if images.checkpoint else None
+        return cached_table(path, (images.vocab_size, len(self.columns)), self._build_table)
+
+    def _build_table(self) -> np.ndarray:
+        images = self.normed_by
+        table = np.empty((images.vocab_size, len(self.columns)), dtype=np.float32)
+        for first, block in images.embeddings.blocks(TABLE_BLOCK_ROWS):
+            table[first:first + len(block)] = self.pre_rotary(images.normed(block))[:, self.columns]
         return table

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from audit.checks.binding import ROW_TOLERANCE, nearest_on_checked
+from audit.checks.binding import ROW_TOLERANCE, key_distances, key_positions, nearest_on_checked
 from audit.checks.floats import decode_floats
 from audit.judge.prefixes import encoded_prefix_matches, prefix_matches
 from audit.layouts.manifest import segment_layer
@@ -36,6 +36,7 @@ from audit.prefixrecords import (
     PrefixRecords,
     parse_prefix_record,
     record_region,
+    record_start,
     token_bytes,
     window_and_digest,
 )
@@ -125,6 +126,58 @@ def _later_readings(data: np.ndarray, geometry: Layer0Rows, filled: int | None, 
         yield rows[:filled, columns]
 
 
+KEY_ROWS = 4  # of a page's filled rows, the guards compare this many K rows (its first and last among them)
+
+
+def _misplaced(keyed: list[tuple], keys, sampled: dict) -> list[int]:
+    """Of attention pages whose V rows bound, those whose K rows (of the table's head, read each way
+    `audit.judge.binding.key_rows` reads them) are not their tokens' K at consecutive positions from
+    the start their request recorded (else from any multiple of the page's rows). The pages read in
+    the CPU backend's order with a recorded start, as a rule every one, are judged as one array on
+    KEY_ROWS rows each (`_sampled_rows`; two rows fix a block's positions, and V has judged every
+    row's token); a page that does not fit there is judged on every row, each way its K may lie."""
+    at_once, alone = [], []
+    for entry in keyed:
+        (at_once if entry[3] == 0 and entry[4] is not None else alone).append(entry)
+    if at_once:
+        probed, tokens, positions, counts = [], [], [], []
+        for _, (data, geometry), its_tokens, _, start in at_once:
+            filled = len(its_tokens)
+            if (sample := sampled.get((geometry, filled))) is None:
+                sample = sampled[geometry, filled] = _sampled_rows(geometry, keys, filled)
+            rows, elements, raw = sample
+            numbers = data.view(raw).take(elements)
+            probed.append(numbers.view(np.float32) if geometry.dtype == "float32" else
+                          decode_floats(numbers.view(np.uint8).reshape(-1), geometry.dtype).reshape(elements.shape))
+            tokens.append(its_tokens[rows])
+            positions.append(start + rows)
+            counts.append(len(rows))
+        near = key_distances(np.concatenate(probed).astype(np.float32, copy=False), np.concatenate(tokens),
+                             np.concatenate(positions), keys) <= ROW_TOLERANCE
+        fits = near.reshape(len(counts), -1).all(axis=1).tolist() if len(set(counts)) == 1 else \
+            np.logical_and.reduceat(near, np.cumsum(counts) - counts).tolist()
+        alone += [entry for entry, fit in zip(at_once, fits) if not fit]  # (its K may lie another way: every row)
+    misplaced = []
+    if alone:
+        from audit.judge.binding import key_rows
+    for index, (data, geometry), tokens, order, start in alone:
+        if not any((distances <= ROW_TOLERANCE).all() and (start is not None or found % geometry.shape[1] == 0)
+                   for rows in key_rows(data, geometry, order, keys.head)
+                   for found, distances in [key_positions(rows[:len(tokens)], tokens, keys, start)]):
+            misplaced.append(index)
+    return misplaced
+
+
+def _sampled_rows(geometry: Layer0Rows, keys, filled: int) -> tuple[np.ndarray, np.ndarray, np.dtype]:
+    """KEY_ROWS of a page's first `filled` rows, spread evenly (its first and last among them), where
+    their K of the table's head lies on its columns (rows, columns: element indices into the page's
+    numbers, from the CPU backend's transposed K), and the page's raw number dtype."""
+    heads, tokens, width = geometry.shape
+    rows = np.unique(np.linspace(0, filled - 1, min(KEY_ROWS, filled)).round().astype(np.int64))
+    elements = np.arange(heads * width * tokens).reshape(heads, 2, width // 2, tokens)[keys.head, 0][keys.columns]
+    return rows, elements[:, rows].T.copy(), np.dtype(f"u{_UNSCALED[geometry.dtype]}")
+
+
 class StateBinder:
     def __init__(self, directory: Path):
         self._tail = RecordTail([Path(directory)], f"{PREFIX_RECORD_PREFIX}*.jsonl*")
@@ -135,12 +188,13 @@ class StateBinder:
         self.building: threading.Thread | None = None  # the thread building the images (joined by tests)
         self._refreshed = -REFRESH_S
         self._gathers: dict[int, tuple] = {}  # each group's (Layer0Rows, `row_elements`, raw number dtype)
+        self._sampled: dict[tuple, tuple] = {}  # (Layer0Rows, rows filled) -> `_sampled_rows`
         self._gathers_of = None  # the images those were made for (`describe` clears them too)
 
     def describe(self, document: dict, *, background: bool = True) -> threading.Thread | None:
         """The consumer's manifest: each group's layer-0 conv state or attention page, and the
         weights it loaded."""
-        self.layer0, self._gathers = {}, {}
+        self.layer0, self._gathers, self._sampled = {}, {}, {}
         for group in document.get("groups") or []:
             conv = next((s for s in group.get("states") or () if s.get("name") == "conv"), None)
             segment = next((s for s in group.get("segments") or () if segment_layer(document, s) == 0), None)
@@ -194,7 +248,7 @@ class StateBinder:
         region, columns = record_region(images.region), images.check_columns
         records = {}  # index -> its chunk hash's record, as kept (`window_and_digest`): one lookup a key
         if self._gathers_of is not images:
-            self._gathers, self._gathers_of = {}, images
+            self._gathers, self._sampled, self._gathers_of = {}, {}, images
         bound: list[tuple[int, tuple]] = []  # (index, its group's gather), for the values bound here
         for index in loaded:
             group = key_group(keys[index])
@@ -204,6 +258,7 @@ class StateBinder:
                 bound.append((index, gather))
         regions = region_bytes([(index, geometry.segment, geometry.offset, geometry.length)
                                 for index, (geometry, _, _) in bound])
+        pages = {}  # index -> (its attention page's bytes, its geometry), for its K
         for (index, (geometry, elements, raw)), data in zip(bound, regions):
             key = keys[index]
             if len(data) != geometry.length:
@@ -218,9 +273,12 @@ class StateBinder:
             # a partial tail block: its own tokens' rows only, as its request's record says (None: all)
             filled = None if record is None else window_and_digest(record)[0]
             later = _later_readings(data, geometry, filled, columns) if geometry.kind == "v" else iter(())
+            if geometry.kind == "v" and images.keys is not None:
+                pages[index] = (data, geometry)
             pending.append((index, rows[:filled], later))
         found = {}
-        decided: dict[int, tuple] = {}  # index -> (its tokens, their token_bytes, all rows near an image)
+        decided: dict[int, tuple] = {}  # index -> (its tokens, their token_bytes, all rows near an image, its reading)
+        reading = 0
         while pending:  # a page's later byte orders only for values the likelier ones did not bind
             decoded, distances = nearest_on_checked(np.concatenate([rows for _, rows, _ in pending]), images)
             near, encoded, start, later = (distances <= ROW_TOLERANCE).tolist(), token_bytes(decoded), 0, []
@@ -228,18 +286,23 @@ class StateBinder:
                 end = start + len(rows)
                 bound = all(near[start:end])
                 if bound or index not in decided:
-                    decided[index] = (decoded[start:end], encoded[start * TOKEN_BYTES:end * TOKEN_BYTES], bound)
+                    decided[index] = (decoded[start:end], encoded[start * TOKEN_BYTES:end * TOKEN_BYTES], bound, reading)
                 if not bound and (rows := next(readings, None)) is not None:
                     later.append((index, rows, readings))
                 start = end
-            pending = later
-        for index, (tokens, encoded, bound) in decided.items():
+            pending, reading = later, reading + 1
+        keyed = []  # (index, its page, its tokens, its reading, its recorded start): attention pages bound by V
+        for index, (tokens, encoded, bound, order) in decided.items():
             expected = records[index]
             if not bound:
                 found[index] = WEIGHTS_MISMATCH
             elif expected is not None and not encoded_prefix_matches(encoded, expected, region) \
                     and prefix_matches(tokens, expected, images.twins, region) is False:
                 found[index] = PREFIX_MISMATCH
+            elif index in pages:
+                keyed.append((index, pages[index], tokens, order, record_start(expected)))
+        if keyed:
+            found.update(dict.fromkeys(_misplaced(keyed, images.keys, self._sampled), PREFIX_MISMATCH))
         return found
 
     @staticmethod

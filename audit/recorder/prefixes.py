@@ -6,7 +6,7 @@ at ``k`` tokens (vLLM 0.32 ``store/worker.py``), so the scheduler, which holds e
 tokens and block hashes, can say for each hash what its boundary's last ``window`` tokens digest to.
 Where layer 0 is attention, its KV block holds the V of the block's own tokens, from the block's start
 to the boundary (a partial tail block, keyed at a boundary inside its block, holds only those), so
-each hash names that window too. The store wrapper (`audit.recorder.wrapper`) sees only keys and addresses, hence this second hook.
+each hash names that window too, and the block's start (its K is turned to those positions). The store wrapper (`audit.recorder.wrapper`) sees only keys and addresses, hence this second hook.
 It runs when a request is allocated (its prompt's hashes) and as each step's connector metadata is
 built (the hashes its output added since), and writes each hash once per process.
 """
@@ -78,9 +78,10 @@ class PrefixRecorder:
             conv = window is not None and boundary >= window
             if (conv or kv_block) and raw not in self._seen:
                 self._seen.add(raw)
+                start = (boundary - 1) // kv_block * kv_block if kv_block else None
                 lines.append(prefix_line(
                     raw.hex(), window if conv else None, tokens[boundary - window:boundary] if conv else None,
-                    tokens[(boundary - 1) // kv_block * kv_block:boundary] if kv_block else None))
+                    tokens[start:boundary] if kv_block else None, start))
             self._done[request_id] = index + 1
         if len(self._seen) > SEEN_LIMIT:
             self._seen.clear()

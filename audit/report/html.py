@@ -450,6 +450,11 @@ def _evidence_summary(record: dict) -> str:
             line = (f"layer-{evidence.get('layer')} {evidence.get('region')} rows are no token's image under these "
                     f"weights: {len(rows)} rows, farthest {far:g} from its nearest image "
                     f"(tolerance {evidence.get('row_tolerance')})")
+        elif name == "key_positions":
+            line = (f"layer-0 K rows are not their tokens' keys at a block's positions: first row at position "
+                    f"{evidence.get('decoded_start')} (block of {evidence.get('block_tokens')}), "
+                    f"{evidence.get('rows_beyond_tolerance')} of {evidence.get('rows')} rows beyond tolerance, "
+                    f"farthest {evidence.get('worst_distance')}")
         elif name == "prefix_mismatch":
             line = (f"layer-0 {evidence.get('region')} rows are tokens other than those chunk hash "
                     f"{str(evidence.get('chunk_hash'))[:16]} was recorded with: {evidence.get('window')} tokens, "

@@ -117,11 +117,16 @@ ATTENTION_CASES = {case.name: case for case in [
 ]}
 
 
-def prompts(seed: int, block: int = BLOCK) -> list[list[int]]:
-    """Five prompts of 3 to 9 full blocks and 1 to 7 more tokens (never ending on a boundary)."""
+def prompts(seed: int, block: int = BLOCK, repeated: bool = False) -> list[list[int]]:
+    """Five prompts of 3 to 9 full blocks and 1 to 7 more tokens (never ending on a boundary);
+    `repeated`: the fourth prompt's fourth block holds the third prompt's second block's tokens (a
+    passage met again elsewhere: the same tokens at other positions, under another hash)."""
     rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(blocks * block + extra)]
+    made = [[rng.randrange(3, 512) for _ in range(blocks * block + extra)]
             for blocks, extra in ((3, 1), (4, 5), (5, 7), (6, 2), (9, 3))]
+    if repeated:
+        made[3][3 * block:4 * block] = made[2][block:2 * block]
+    return made
 
 
 def block_hashes(prompt: list[int], block: int = BLOCK) -> dict[str, int]:
@@ -176,7 +181,8 @@ def _produce(session, models_dir: Path, case: Case) -> Produced:
         cluster, config, run, keys, records = shared.cluster, shared.config, shared.run, shared.keys, shared.record_dir
     else:
         cluster, config = session.cluster(f"binding-{case.name}")
-        batch = prompts(40, case.block) if case.block else harness.sized_batch(3, 2, 5, seed=40)
+        batch = prompts(40, case.block, repeated=case.name in ATTENTION_CASES) if case.block \
+            else harness.sized_batch(3, 2, 5, seed=40)
         records = session.root / f"binding-{case.name}" / "records"
         run = harness.run_engine(models_dir / case.model, config, [batch], records.parent,
                                  mamba=ALL_MODELS[case.model].mamba,
@@ -321,7 +327,12 @@ def test_every_attention_keys_layer0_v_rows_are_the_images_of_its_own_blocks_tok
                                                                                     name):
     """vLLM 0.32's CPU backend keeps a head's page as K of its block's tokens, then their V
     (``cpu_attn.py``); each token's V over the rank's KV heads is its image under ``v_proj``. With
-    sliding and full layers (Gemma 3) the keys of layer 0's KV cache group hold it, every one of them."""
+    sliding and full layers (Gemma 3) the keys of layer 0's KV cache group hold it, every one of them.
+    Its K, transposed in the page (a head's every token a dimension), is the tokens' K turned to the
+    block's own positions (`audit.layouts.rotary`; Gemma 3's sliding layer 0 by its local base, and its
+    and a head's ``k_norm``), the first row's position decoded from the bytes; OLMo2's ``k_norm`` spans
+    every head and MLA's rotary part is not bound."""
+    from audit.checks.binding import key_positions
     from audit.checks.floats import decode_floats
     from audit.layouts.weights import token_images
 
@@ -333,7 +344,7 @@ def test_every_attention_keys_layer0_v_rows_are_the_images_of_its_own_blocks_tok
     values = _values(result.config, result.keys)
     held = _layer0_kv_keys(result)
     assert {harness.key_fields(key)["group"] for key in held} == {harness.key_fields(key)["group"] for key in held[:1]}
-    worst, ranks = 0.0, set()
+    worst, ranks, worst_k = 0.0, set(), None
     for key in held:
         fields = harness.key_fields(key)
         assert fields["hash"] in named, f"{key}: its hash is none of the prompts' block hashes"
@@ -349,9 +360,19 @@ def test_every_attention_keys_layer0_v_rows_are_the_images_of_its_own_blocks_tok
             rows = rows.transpose(1, 0, 2).reshape(block, images.columns).astype(np.float32)
         tokens = prompt[(k - 1) * block:k * block]
         worst, ranks = max(worst, _images_of(rows, tokens, images, result.case.exact, key)), ranks | {fields["tp_rank"]}
+        if images.keys is not None:  # K: the tokens' K turned to the block's own positions, (dim, tokens) a head
+            k_rows = numbers.reshape(images.columns // 64, 2, 64, block)[images.keys.head, 0].T
+            start, distances = key_positions(k_rows, np.asarray(tokens), images.keys)
+            assert start == (k - 1) * block and distances.max() <= result.case.exact, (key, start, distances.max())
+            worst_k = max(worst_k or 0.0, float(distances.max()))
     observed[name] = {"keys": len(result.keys), "keys_holding_layer0": len(held), "block_size": result.block,
-                      "tp_ranks": sorted(ranks), "worst_row_distance": worst, "kv_dtype": region["dtype"]}
+                      "tp_ranks": sorted(ranks), "worst_row_distance": worst, "kv_dtype": region["dtype"],
+                      **({"worst_k_row_distance": worst_k} if worst_k is not None else {})}
     assert held and ranks == set(range(result.case.tp))
+    assert (worst_k is not None) == (name in K_BOUND_CASES), images.keys_not_bound
+
+
+K_BOUND_CASES = {"llama-tp1", "llama-kv2-tp2", "qwen2-bias-tp1", "gemma3-tp1", "granite-tp1", "phi3-kv2-tp2"}
 
 
 def _layer0_kv_keys(result: Produced) -> list[str]:
@@ -494,7 +515,9 @@ def test_a_guarded_consumer_refuses_another_blocks_kv_and_keeps_every_other_hit(
     """A block replaced by another request's block (its own key gone): finite, of these weights,
     PREFIX_MISMATCH in the scan; a guarded consumer of the producer's own prompts refuses it alone
     as PREFIX_MISMATCH (its V rows are images of other tokens than its request's own for that
-    block), loads every other hit, recomputes, and answers as the producer did. One engine more a
+    block), loads every other hit, recomputes, and answers as the producer did. Where K is bound,
+    a block replaced by the same tokens' block from another prompt's other positions is refused too:
+    its V and its digest are its own, its K is turned to the wrong positions. One engine more a
     model (a consumer at TP 1): Llama; Qwen2, whose V carries its bias; DeepSeek-V3, whose MLA page
     holds a latent a token."""
     import time
@@ -502,24 +525,38 @@ def test_a_guarded_consumer_refuses_another_blocks_kv_and_keeps_every_other_hit(
     from audit.connection import Settings
     from audit.workload import Publisher
 
+    from audit.layouts.weights import token_images
+
     result = produced(session, models_dir, name)
     by_hash = {harness.key_fields(key)["hash"]: key for key in result.keys}
-    first, second = (list(block_hashes(prompt, result.block)) for prompt in result.prompts[:2])
+    first, second, third, fourth = (list(block_hashes(prompt, result.block)) for prompt in result.prompts[:4])
     victim, source = by_hash[first[1]], by_hash[second[1]]  # each prompt's second block
-    values = _values(result.config, [source])
+    plants = {victim: source}
+    # where K is bound, also the fourth prompt's fourth block replaced by the third prompt's second, the
+    # same tokens (`prompts(repeated=True)`) turned to other positions: its V and its record's digest agree
+    moved = token_images(result.model_dir, result.case.model, 1, 0).keys is not None
+    if moved:
+        plants[by_hash[fourth[3]]] = by_hash[third[1]]
+    values = _values(result.config, list(plants.values()))
     publisher = Publisher(Settings.resolve(config=result.config, admin=result.cluster.admin_url,
                                            local_hostname="127.0.0.1"))
     try:
-        for key in (victim, source):
+        for key in (*plants, *plants.values()):
             harness.remove_when_unleased(publisher, key)
-        publisher.put(victim, values[source])
+        for planted, its_source in plants.items():
+            publisher.put(planted, values[its_source])
     finally:
         publisher.close()
     scan = harness.scan(result.config, result.cluster, "--model-config", str(result.model_dir),
                         "--block-tables", str(result.records))
     assert scan.report is not None, f"exit {scan.rc}: {scan.stderr[-800:]}"
     flagged = {r["key"]: r["verdicts"] for r in scan.report["findings"] if r["key"] in set(result.keys)}
-    assert flagged == {victim: ["PREFIX_MISMATCH"]} and scan.rc == 1, flagged
+    assert flagged == dict.fromkeys(plants, ["PREFIX_MISMATCH"]) and scan.rc == 1, flagged
+    if moved:
+        evidence = {r["key"]: r["evidence"] for r in scan.report["findings"]}[by_hash[fourth[3]]]
+        assert "prefix_mismatch" not in evidence, evidence  # the tokens are its own: only K tells
+        assert (evidence["key_positions"]["recorded_start"], evidence["key_positions"]["decoded_start"]) == \
+            (3 * result.block, result.block), evidence
 
     work = session.root / f"binding-{name}-guarded-consumer"
     started = time.monotonic()
@@ -534,7 +571,8 @@ def test_a_guarded_consumer_refuses_another_blocks_kv_and_keeps_every_other_hit(
     observed[f"{name.split('-')[0]}_guarded_consumer"] = {"refused": refused, "hits_kept": len(kept),
                                           "engine_s": round(time.monotonic() - started, 1)}
     assert refused.get(victim) == "PREFIX_MISMATCH" and set(refused.values()) <= {"PREFIX_MISMATCH", "DENIED"}
-    assert set(refused) == {victim}, refused
-    # every other block the consumer's prompts hit (the source's request stops at its missing block)
-    assert kept == set(result.keys) - {victim, source} - set(by_hash[h] for h in second[2:]), sorted(kept)
+    assert set(refused) == set(plants), refused
+    # every other block the consumer's prompts hit (each source's request stops at its missing block)
+    unreached = {by_hash[h] for h in second[2:]} | ({by_hash[h] for h in third[2:]} if moved else set())
+    assert kept == set(result.keys) - set(plants) - set(plants.values()) - unreached, sorted(kept)
     assert consumer.tokens(0) == result.run.tokens(0)

@@ -96,15 +96,19 @@ def test_a_value_is_bound_under_the_reading_that_decodes_to_tokens(tmp_path):
     assert records[0].verdicts == [] and records[1].verdicts == ["WEIGHTS_MISMATCH"]
 
 
-def _attention_page(v_rows: np.ndarray, heads: int, rng, order: str = "cpu") -> np.ndarray:
+def _attention_page(v_rows: np.ndarray, heads: int, rng, order: str = "cpu", k_rows=None) -> np.ndarray:
     """One layer's page of (heads, tokens, 2 * head) float32 numbers whose tokens' V (over the heads)
-    is `v_rows`, K random: "cpu" as vLLM 0.32's CPU backend keeps it (a head's K of every token,
-    then its V), "tokens" as (tokens, heads, k|v)."""
+    is `v_rows`, K `k_rows` (or random): "cpu" as vLLM 0.32's CPU backend keeps it (a head's K,
+    transposed: (dim, tokens), then its V by token), "by-head" with K by token too, "tokens" as
+    (tokens, heads, k|v)."""
     tokens, size = len(v_rows), v_rows.shape[1] // heads
     v = v_rows.reshape(tokens, heads, size)
-    k = rng.standard_normal(v.shape)
+    k = rng.standard_normal(v.shape) if k_rows is None else k_rows.reshape(tokens, heads, size)
     if order == "cpu":
-        return np.stack([k, v], axis=0).transpose(2, 0, 1, 3).astype(np.float32)  # (heads, K|V, tokens, dim)
+        return np.stack([k.transpose(1, 2, 0).reshape(heads, tokens, size), v.transpose(1, 0, 2)],
+                        axis=1).astype(np.float32)  # (heads, K (dim, tokens) | V (tokens, dim))
+    if order == "by-head":  # K kept as V is, a token a row
+        return np.stack([k.transpose(1, 0, 2), v.transpose(1, 0, 2)], axis=1).astype(np.float32)
     return np.stack([k, v], axis=2).astype(np.float32)  # (tokens, heads, k|v, dim)
 
 
@@ -145,6 +149,68 @@ def test_attention_values_are_bound_by_layer_0s_v_rows(tmp_path):
     assert evidence["region"] == "v" and len(evidence["rows"]) == 16
     assert min(row["distance"] for row in evidence["rows"]) > evidence["row_tolerance"]
     assert bindings.summary()["bound"] == [MODEL] and bindings.summary()["not_bound"] == {}
+
+
+def _rotated_k(tensors: dict, tokens, positions, kv_heads: int) -> np.ndarray:
+    """vLLM's llama.py at layer 0: input_layernorm, k_proj, then neox RoPE (theta 10000) at `positions`."""
+    from audit.layouts.rotary import rotary_of, rotate
+    from tests.layouts.test_images import HEAD, _rms_normed
+
+    n = _rms_normed(tensors["model.embed_tokens.weight"][tokens], tensors["model.layers.0.input_layernorm.weight"])
+    k = (n @ tensors["model.layers.0.self_attn.k_proj.weight"].T).reshape(len(tokens), kv_heads, HEAD)
+    rotary, half = rotary_of({}, HEAD), HEAD // 2
+    angles = rotary.angles(np.asarray(positions), np.arange(half))[:, None, :]
+    first, second = rotate(k[..., :half], k[..., half:], angles)
+    return np.concatenate([first, second], axis=-1).reshape(len(tokens), kv_heads * HEAD).astype(np.float32)
+
+
+def test_attention_k_rows_bind_to_their_blocks_positions(tmp_path):
+    """Layer 0's K is the token's K turned to its position: a page of a block's tokens at the block's
+    positions binds (the CPU backend's transposed K, K by token, and a token-major page); K turned to positions
+    not a block's start, or a row's K of its neighbour's token, is PREFIX_MISMATCH (evidence
+    `key_positions`: the start decoded), though its V binds and no record is given; so is a block
+    whose tokens are its record's but whose K is at positions other than the start it recorded."""
+    from audit.judge.binding import Bindings, Values, bind_values
+    from audit.judge.key import judge_read
+    from audit.prefixrecords import PrefixDigest, PrefixRecords, prefix_digest
+    from audit.records import KeyInfo
+    from tests.layouts.test_images import HEAD, llama_checkpoint
+
+    rng = np.random.default_rng(4)
+    ours = tmp_path / MODEL
+    tensors = llama_checkpoint(ours, rng, kv_heads=2, **{
+        "model.layers.0.self_attn.k_proj.weight": rng.standard_normal((2 * HEAD, 8)).astype(np.float32)})
+    layout = next(layout for layout in load_layouts(model_configs=[ours], kv_cache_dtype="float32", block_size=16,
+                                                    model_dtype="float32", tp_given=True) if layout.tp_size == 1)
+    tokens = rng.integers(0, 32, 16)
+    v = token_images(ours, MODEL, 1, 0).images(tokens)
+    at_block = _rotated_k(tensors, tokens, 48 + np.arange(16), 2)
+    shifted = _rotated_k(tensors, tokens, 45 + np.arange(16), 2)
+    swapped = _rotated_k(tensors, np.roll(tokens, 1), 48 + np.arange(16), 2)
+    layer1 = rng.standard_normal(layout.size // 4 - v.size * 2).astype(np.float32)
+    pages = [(at_block, "cpu"), (at_block, "tokens"), (shifted, "cpu"), (swapped, "cpu"), (at_block, "by-head"),
+             (at_block, "cpu")]
+    values = [np.concatenate([_attention_page(v, 2, rng, order, k).ravel(), layer1]).view(np.uint8)
+              for k, order in pages]
+    records = [judge_read(KeyInfo(vllm_key(MODEL, f"{i:064x}"), layout.size), layout.size, None)
+               for i in range(len(values))]
+    for record in records:
+        record.verdicts.clear()
+    bindings = Bindings.of([ours])
+    bindings.prefixes = PrefixRecords()  # the first block recorded at its own start, the last at 16
+    bindings.prefixes.add(f"{0:064x}", None, PrefixDigest(16, prefix_digest(tokens.tolist()), 48))
+    bindings.prefixes.add(f"{5:064x}", None, PrefixDigest(16, prefix_digest(tokens.tolist()), 16))
+    bind_values(records, Values.listed(values), [(layout,)] * len(values), bindings)
+    assert [record.verdicts for record in records] == [[], [], ["PREFIX_MISMATCH"], ["PREFIX_MISMATCH"], [],
+                                                       ["PREFIX_MISMATCH"]]
+    shifted_evidence, swapped_evidence, elsewhere = (records[i].evidence["key_positions"] for i in (2, 3, 5))
+    assert shifted_evidence["decoded_start"] == 45 and shifted_evidence["block_tokens"] == 16
+    assert shifted_evidence["worst_distance"] <= shifted_evidence["row_tolerance"]  # at 45, every row fits
+    assert swapped_evidence["rows_beyond_tolerance"] > 8 and swapped_evidence["worst_distance"] > 0.3
+    # the same tokens' block from position 48 under a hash recorded at 16 (a repeated passage): only K tells
+    assert (elsewhere["recorded_start"], elsewhere["decoded_start"]) == (16, 48) and "prefix_mismatch" not in \
+        records[5].evidence and elsewhere["worst_distance"] > 0.3
+    assert bindings.summary()["k_checked"] == 6
 
 
 def test_mla_values_are_bound_by_layer_0s_latent_and_a_one_head_page_stays_v(tmp_path):

@@ -126,7 +126,9 @@ def test_the_recorders_lines_read_without_json_read_as_json_reads_them(tmp_path)
              f'{{"hash":"{"12" * 32}","window":3,"digest":"{d}","kv_window":2,"kv_digest":"{d}"}}',  # KV in version 1
              f'{{"hash":"{"34" * 32}","window":0,"digest":"{d}"}}', f'{{"hash":"abc","window":3,"digest":"{d}"}}',
              f'{{"v":2,"hash":"{"56" * 32}"}}', f'{{"v":3,"hash":"{"78" * 32}","window":3,"digest":"{d}"}}',
-             f'{{"hash":"{"9a" * 32}","window":3,"digest":"{d[:8]}"}}', "not json", ""]
+             f'{{"hash":"{"9a" * 32}","window":3,"digest":"{d[:8]}"}}', "not json", "",
+             prefix_line("bc" * 32, None, None, [4, 5], 0), prefix_line("de" * 32, 2, [6, 7], [8, 9, 10], 4096),
+             f'{{"v":2,"hash":"{"f0" * 32}","kv_window":2,"kv_digest":"{d}","kv_start":-1}}']  # a start below 0
     (tmp_path / "prefixes-host-1-0000.jsonl").write_text("\n".join(lines) + "\n")
     read = read_prefix_records([tmp_path])
     reference = PrefixRecords()
@@ -140,8 +142,10 @@ def test_the_recorders_lines_read_without_json_read_as_json_reads_them(tmp_path)
         {(h, region): reference.get(h, region) for h in every for region in ("conv", "v")}
     assert (read.conflicts, read.records, read.skipped, len(read)) == \
         (reference.conflicts, reference.records, reference.skipped, len(reference))
-    assert read.conflicts == {h} and read.skipped == 4 and read.records == 7
+    assert read.conflicts == {h} and read.skipped == 5 and read.records == 9
     assert read.get("EF" * 32, "v") == PrefixDigest(3, prefix_digest([8, 9, 10]))
+    assert read.get("BC" * 32, "v") == PrefixDigest(2, prefix_digest([4, 5]), 0)
+    assert read.get("de" * 32, "v").start == 4096 and read.get("de" * 32).start is None
     assert read.get("abc") == PrefixDigest(3, d) and read.get("9A" * 32) == PrefixDigest(3, d[:8])
 
 
@@ -193,7 +197,8 @@ def test_the_sorted_tables_answer_as_a_dict_of_the_same_lines_does(tmp_path, mon
     """`read_prefix_records` (whole pieces of a file decoded a shape of line at a time into sorted
     tables, looked up a batch at a time) against a `PrefixRecords` fed the same lines through the
     JSON parser, on 3,000 lines over four files read 4 KiB at a time: hashes of two lengths, in
-    capitals, repeated, recorded again with another digest (in either region), text, odd and
+    capitals, repeated, recorded again with another digest (in either region), KV blocks with and
+    without their start (a start with a leading zero: not JSON), text, odd and
     non-ASCII hashes, digests not of 16 digits, JSON spellings the recorder does not write, broken
     lines, blank lines, a file in CRLF, a last line without its newline; every hash asked for, one
     at a time and as a batch."""
@@ -210,8 +215,12 @@ def test_the_sorted_tables_answer_as_a_dict_of_the_same_lines_does(tmp_path, mon
         return str(rng.choice([prefix_digest(rng.integers(0, 9, 3).tolist()), prefix_digest([1]), "ABCDEF0123456789",
                                "12ab"], p=[0.85, 0.05, 0.05, 0.05]))
 
+    def start() -> str:  # a KV block's start: most recorded (0 among them), some not
+        return str(rng.choice(["", ',"kv_start":0', f',"kv_start":{16 * rng.integers(1, 5000)}', ',"kv_start":07'],
+                              p=[0.3, 0.1, 0.55, 0.05]))
+
     recorded = {h: (f',"window":{rng.integers(1, 4)},"digest":"{digest()}"',
-                    f',"kv_window":{rng.integers(1, 17)},"kv_digest":"{digest()}"') for h in pool}
+                    f',"kv_window":{rng.integers(1, 17)},"kv_digest":"{digest()}"{start()}') for h in pool}
     lines = []
     for _ in range(3000):
         h = str(rng.choice(pool))

@@ -377,3 +377,71 @@ def test_mla_images_are_layer0s_normed_latent_on_every_rank(tmp_path, monkeypatc
         expected = _latent_by_vllm(tensors, tokens)
         np.testing.assert_allclose(images.images(tokens), expected, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(images.table[tokens], expected[:, images.check_columns], rtol=1e-4, atol=1e-5)
+
+
+def _k_by_vllm(tensors: dict, tokens: list[int], scale: float, norm_kind: str | None, eps: float, rank: int,
+               tp: int, positions) -> np.ndarray:
+    """vLLM 0.32 at layer 0 for the rank's first KV head: the same input as V, ``qkv_proj``'s k rows
+    (and bias), a per-head ``k_norm`` where there is one (``qwen3.py``: RMSNorm; ``gemma3.py``:
+    GemmaRMSNorm), then ``get_rope``'s neox rotation at `positions` (theta 10000)."""
+    norm = tensors["model.layers.0.input_layernorm.weight"]
+    h = tensors["model.embed_tokens.weight"][tokens] * np.float32(scale)
+    n = h if norm_kind is None else \
+        h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * ((1 + norm) if norm_kind == "plus_one" else norm)
+    fused = tensors.get("model.layers.0.self_attn.qkv_proj.weight")
+    k = fused[4 * HEAD:6 * HEAD] if fused is not None else tensors["model.layers.0.self_attn.k_proj.weight"]
+    head = slice(rank * (2 // tp) * HEAD, rank * (2 // tp) * HEAD + HEAD)
+    out = n @ k[head].T + tensors.get("model.layers.0.self_attn.k_proj.bias", np.zeros(len(k), np.float32))[head]
+    if (weight := tensors.get("model.layers.0.self_attn.k_norm.weight")) is not None:
+        out = out / np.sqrt(np.mean(out * out, axis=-1, keepdims=True) + eps) * \
+            ((1 + weight) if norm_kind == "plus_one" else weight)
+    half = HEAD // 2
+    angles = np.asarray(positions, np.float32)[:, None] * \
+        (1.0 / (np.float32(10000.0) ** (np.arange(0, HEAD, 2, dtype=np.float32) / HEAD)))[None, :]
+    first, second = out[:, :half], out[:, half:]
+    return np.concatenate([first * np.cos(angles) - second * np.sin(angles),
+                           second * np.cos(angles) + first * np.sin(angles)], axis=1).astype(np.float32)
+
+
+@pytest.mark.parametrize("model_type, scale, norm_kind, fused, bias, k_norm", [
+    ("llama", 1.0, "plain", False, False, False),
+    ("qwen2", 1.0, "plain", False, True, False),
+    ("qwen3", 1.0, "plain", False, False, True),
+    ("gemma3_text", 8 ** 0.5, "plus_one", False, False, True),
+    ("phi3", 1.0, "plain", True, False, False),
+])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_k_images_turned_to_their_positions_are_vllms_k(tmp_path, monkeypatch, model_type, scale, norm_kind, fused,
+                                                         bias, k_norm, tp):
+    """Layer 0's K (`KeyImages`): the table's columns of each rank's first KV head, turned to a
+    position (`audit.layouts.rotary.rotate`), are vLLM's K of the token there; OLMo2 (k_norm across
+    heads) is named as not bound."""
+    from audit.checks.binding import key_positions
+    from audit.layouts.rotary import rotate
+
+    monkeypatch.setenv("MOONCAKE_AUDIT_CACHE", str(tmp_path / "cache"))
+    rng = np.random.default_rng(9)
+    directory = tmp_path / model_type
+    tensors = _v_rule_checkpoint(directory, rng, model_type, fused=fused)
+    if not fused:
+        tensors["model.layers.0.self_attn.k_proj.weight"] = rng.standard_normal((2 * HEAD, 8)).astype(np.float32)
+    if bias:
+        tensors["model.layers.0.self_attn.k_proj.bias"] = rng.standard_normal(2 * HEAD).astype(np.float32)
+    if k_norm:
+        tensors["model.layers.0.self_attn.k_norm.weight"] = (0.5 + rng.random(HEAD)).astype(np.float32)
+    write_safetensors(directory / "model.safetensors", tensors)
+    tokens, positions = [0, 7, 31, 7], [96, 97, 98, 99]
+    for rank in range(tp):
+        keys = token_images(directory, "m", tp, rank).keys
+        assert keys is not None and keys.head == 0
+        expected = _k_by_vllm(tensors, tokens, scale, norm_kind, 1e-5, rank, tp, positions)
+        half = len(keys.pairs)
+        first, second = rotate(keys.table[tokens][:, :half], keys.table[tokens][:, half:],
+                               keys.rotary.angles(np.array(positions), keys.pairs))
+        np.testing.assert_allclose(np.concatenate([first, second], axis=1), expected[:, keys.columns],
+                                   rtol=1e-4, atol=1e-5)
+        start, distances = key_positions(expected, np.array(tokens), keys)
+        assert start == 96 and distances.max() < 1e-4
+    olmo = tmp_path / "olmo2"
+    _v_rule_checkpoint(olmo, rng, "olmo2")
+    assert token_images(olmo, "m", 1, 0).keys is None and "olmo2" in token_images(olmo, "m", 1, 0).keys_not_bound

@@ -15,7 +15,7 @@ from audit.layouts.families import BY_ARCHITECTURE, BY_MODEL_TYPE, Family
 LAYOUTS = Path(__file__).resolve().parents[2] / "audit" / "layouts"
 STEPS = ["hf_config", "families", "candidates", "infer"]
 VOCABULARY = {"model", "states", "pages", "hybrid", "dtypes", "versions", "serve_flags", "vllm_models", "images",
-              "checkpoint"}
+              "rotary", "checkpoint"}
 
 
 def _module(path: Path) -> str:

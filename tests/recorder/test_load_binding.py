@@ -300,3 +300,42 @@ def test_the_guard_binds_mla_blocks_by_their_latent_rows(tmp_path):
     guard.binder.building.join(60)
     assert guard.binder.status == "bound" and guard.binder.layer0[0].kind == "latent", guard.binder.status
     assert guard.check(keys, addrs, sizes, [0] * len(keys)) == {1: "PREFIX_MISMATCH", 2: "WEIGHTS_MISMATCH"}
+
+
+def test_the_guard_binds_attention_blocks_to_their_recorded_positions(tmp_path):
+    """K at layer 0 (issue #40): a loaded block whose V rows are its record's own tokens but whose K
+    was turned to positions other than the start its request recorded (the same tokens' block from
+    elsewhere in a prompt) is refused as PREFIX_MISMATCH; so is one without a recorded start whose
+    K is at positions that are no block's. Kept: K at the recorded start (the CPU backend's
+    transposed K, and K by token), a partial tail block (its filled rows at their start), and a block
+    recorded without a start at a block's positions."""
+    from tests.judge.test_binding import _attention_page, _rotated_k
+    from tests.layouts.test_images import HEAD, llama_checkpoint
+
+    rng = np.random.default_rng(8)
+    ours = tmp_path / MODEL
+    tensors = llama_checkpoint(ours, rng, kv_heads=2, **{
+        "model.layers.0.self_attn.k_proj.weight": rng.standard_normal((2 * HEAD, 8)).astype(np.float32)})
+    mine = token_images(ours, MODEL, 1, 0)
+    blocks = [rng.integers(0, 32, 16) for _ in range(6)]
+    # (K's first position, the recorded start, the rows recorded, page order)
+    cases = [(32, 32, 16, "cpu"), (64, 16, 16, "cpu"), (37, None, 16, "cpu"), (48, 48, 16, "by-head"),
+             (80, 80, 5, "cpu"), (96, None, 16, "cpu")]
+    pages, lines = [], []
+    for value, ((first, start, filled, order), tokens) in enumerate(zip(cases, blocks)):
+        k = _rotated_k(tensors, tokens, first + np.arange(16), 2)
+        k[filled:] = 50 * rng.standard_normal(k[filled:].shape)  # (a partial tail's rows hold what was there)
+        pages.append(_attention_page(mine.images(tokens), 2, rng, order, k).ravel().view(np.uint8).copy())
+        pages.append(rng.standard_normal(256).astype(np.float32).view(np.uint8).copy())  # layer 1
+        lines.append(prefix_line(f"{value:064x}", None, None, list(tokens[:filled]), start))
+    records = tmp_path / "records"
+    records.mkdir()
+    (records / "prefixes-host-1-0000.jsonl").write_text("\n".join(lines) + "\n")
+    keys = [vllm_key(MODEL, f"{value:064x}") for value in range(len(cases))]
+    addrs = [[pages[2 * v].ctypes.data, pages[2 * v + 1].ctypes.data] for v in range(len(keys))]
+    sizes = [[pages[2 * v].nbytes, pages[2 * v + 1].nbytes] for v in range(len(keys))]
+    guard = LoadGuard(DenyList(records, RecordWriter(records, stem="denied")), StateBinder(records))
+    guard.describe(_attention_document(ours), {})
+    guard.binder.building.join(60)
+    assert guard.binder.status == "bound" and guard.binder.images.keys is not None, guard.binder.status
+    assert guard.check(keys, addrs, sizes, [0] * len(keys)) == {1: "PREFIX_MISMATCH", 2: "PREFIX_MISMATCH"}

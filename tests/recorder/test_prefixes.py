@@ -43,7 +43,7 @@ def test_the_window_is_the_conv_kernel_less_one_whatever_the_family_calls_it():
 def test_a_kv_block_names_its_own_tokens_up_to_each_boundary(tmp_path):
     """Where layer 0 is attention, a hash names its KV block's tokens from the block's start to the
     boundary: the whole block at a block end, the filled part at a boundary inside it (a partial
-    tail block, keyed there); a model with both windows records both on one line."""
+    tail block, keyed there), and the block's start; a model with both windows records both on one line."""
     recorder = PrefixRecorder(RecordWriter(tmp_path, stem="prefixes"), window=None, hash_block_size=4,
                               kv_block_size=8)
     tokens = list(range(100, 116))  # boundaries 4, 8, 12, 16: blocks [100..107], [108..115]
@@ -54,11 +54,11 @@ def test_a_kv_block_names_its_own_tokens_up_to_each_boundary(tmp_path):
     records = read_prefix_records([tmp_path])
     assert records.records == 5 and not records.conflicts and not records.skipped
     assert [records.get(_hash(i).hex(), "v") for i in range(1, 5)] == [
-        PrefixDigest(4, prefix_digest(tokens[0:4])), PrefixDigest(8, prefix_digest(tokens[0:8])),
-        PrefixDigest(4, prefix_digest(tokens[8:12])), PrefixDigest(8, prefix_digest(tokens[8:16]))]
+        PrefixDigest(4, prefix_digest(tokens[0:4]), 0), PrefixDigest(8, prefix_digest(tokens[0:8]), 0),
+        PrefixDigest(4, prefix_digest(tokens[8:12]), 8), PrefixDigest(8, prefix_digest(tokens[8:16]), 8)]
     assert records.get(_hash(1).hex()) is None  # no conv window recorded
     assert records.get(_hash(9).hex()) == PrefixDigest(3, prefix_digest(tokens[1:4]))
-    assert records.get(_hash(9).hex(), "v") == PrefixDigest(4, prefix_digest(tokens[0:4]))
+    assert records.get(_hash(9).hex(), "v") == PrefixDigest(4, prefix_digest(tokens[0:4]), 0)
 
 
 def test_records_are_versioned_and_a_version_1_line_still_reads(tmp_path):

@@ -8,6 +8,7 @@ binding).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,8 +16,9 @@ import numpy as np
 
 from ..hf_config import config_int, first_int, head_dim, layer_kinds
 from ..hybrid import ATTENTION, SLIDING
-from ..images import TokenImages
+from ..images import KeyImages, TokenImages
 from ..model import Layout, LayoutError
+from ..rotary import rotary_of
 from .base import Family, Options, build_layouts
 
 ATTENTION_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mistral", "mixtral",
@@ -69,6 +71,7 @@ class VImageRule:
     norm: str | None = "plain"     # ``input_layernorm``: "plain" RMSNorm, "plus_one" (GemmaRMSNorm: 1 + w), None
     embedding_scale: Callable[[dict], float] = lambda config: 1.0
     fused_qkv: bool = False        # the checkpoint holds ``qkv_proj`` (q, k, v rows stacked), not ``v_proj``
+    keys: bool = True              # K is its head's projection (a per-head ``k_norm`` where the checkpoint has one), then RoPE
 
 
 # ``llama.py`` and the model types vLLM computes the same way under the same tensor names
@@ -84,7 +87,7 @@ V_IMAGE_RULES = {
     **dict.fromkeys(("gemma", "gemma2", "gemma3", "gemma3_text"), _GEMMA),
     "granite": VImageRule(embedding_scale=lambda config: float(config.get("embedding_multiplier", 1.0))),
     "phi3": VImageRule(fused_qkv=True),
-    "olmo2": VImageRule(norm=None),
+    "olmo2": VImageRule(norm=None, keys=False),  # its k_norm spans every head: a rank's K needs the others'
 }
 
 
@@ -126,10 +129,54 @@ def _v_images(config: dict, checkpoint, model: str, tp_size: int, tp_rank: int) 
         source["norm"] = norm + (" (1 + weight)" if rule.norm == "plus_one" else "")
     if bias is not None:
         source["bias"] = projection + ".bias"
-    return TokenImages(model, tp_size, tp_rank, checkpoint.matrix(embeddings), norm_weight,
-                       float(config.get("rms_norm_eps", 1e-6)), np.ascontiguousarray(weight[rows]),
-                       embedding_scale=rule.embedding_scale(config), bias=bias, source=source,
-                       region="v", checkpoint=checkpoint.identity)
+    values = TokenImages(model, tp_size, tp_rank, checkpoint.matrix(embeddings), norm_weight,
+                         float(config.get("rms_norm_eps", 1e-6)), np.ascontiguousarray(weight[rows]),
+                         embedding_scale=rule.embedding_scale(config), bias=bias, source=source,
+                         region="v", checkpoint=checkpoint.identity)
+    try:
+        keys = _k_images(config, checkpoint, rule, weight, rows[:size] - first, values)
+    except LayoutError as error:
+        return dataclasses.replace(values, keys_not_bound=str(error))
+    return dataclasses.replace(values, keys=keys)
+
+
+def _k_images(config: dict, checkpoint, rule: VImageRule, weight, head_rows, values: TokenImages) -> KeyImages:
+    """Layer 0's K of the rank's first KV head before its rotation, and the rotation (``get_rope``
+    with the layer's rope parameters; neox pairing, as ``llama.py`` and the other rules' models use):
+    the same input as V, ``qkv_proj``'s k rows of that head (``head_rows`` index its V rows in
+    ``v_proj`` alike: K and V heads shard alike), its bias, and a ``k_norm`` over the head."""
+    if not rule.keys:
+        raise LayoutError(f"model_type {config.get('model_type')!r}: no layer-0 K rule (not bound)")
+    size = head_dim(config)
+    layer_kind = "sliding_attention" if _attention_kinds(config, str(config.get("model_type")))[0] == SLIDING \
+        else "full_attention"
+    rotary = rotary_of(config, size, layer_kind)
+    total = first_int(config, "num_key_value_heads", "num_attention_heads")
+    if rule.fused_qkv:
+        projection, first = "model.layers.0.self_attn.qkv_proj", weight.shape[0] - 2 * total * size
+        tensor = weight
+    else:
+        projection, first = "model.layers.0.self_attn.k_proj", 0
+        tensor = checkpoint.tensor(projection + ".weight")
+        if tensor.shape[0] != total * size:
+            raise LayoutError(f"{projection}.weight has {tensor.shape[0]} rows, not {total} KV heads of {size}")
+    rows = first + np.asarray(head_rows)
+    bias = np.ascontiguousarray(checkpoint.tensor(projection + ".bias")[rows]) \
+        if projection + ".bias" in checkpoint else None
+    norm_name = "model.layers.0.self_attn.k_norm.weight"
+    head_norm = checkpoint.tensor(norm_name) if norm_name in checkpoint else None
+    if head_norm is not None and head_norm.shape != (size,):
+        raise LayoutError(f"{norm_name} has shape {head_norm.shape}, not one head's {size}: K not bound")
+    if head_norm is not None and rule.norm == "plus_one":
+        head_norm = 1 + head_norm
+    source = {"projection": projection + ".weight (k rows)", "rotary": {
+        "rotary_dim": rotary.rotary_dim, "pairs": len(rotary.probed_pairs), "neox": rotary.neox}}
+    if bias is not None:
+        source["bias"] = projection + ".bias"
+    if head_norm is not None:
+        source["k_norm"] = norm_name + (" (1 + weight)" if rule.norm == "plus_one" else "")
+    return KeyImages(values, np.ascontiguousarray(tensor[rows]), rotary, bias=bias, head_norm=head_norm,
+                     head_eps=float(config.get("rms_norm_eps", 1e-6)), source=source)
 
 
 ATTENTION_ONLY = Family("attention", _attention_only, token_images=_v_images)

@@ -1,0 +1,68 @@
+"""Rotary embeddings as vLLM 0.32 computes them (`audit.layouts.rotary`), held to torch's arithmetic
+of ``RotaryEmbedding`` / ``Llama3RotaryEmbedding`` written out here, and the start decoded back."""
+
+import math
+
+import numpy as np
+import pytest
+
+from audit.layouts import LayoutError
+from audit.layouts.rotary import decode_start, rope_parameters, rotary_of, rotate
+
+
+def _torch_inv_freq(base: float, rotary_dim: int) -> np.ndarray:
+    torch = pytest.importorskip("torch")
+    return (1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))).numpy()
+
+
+def test_default_frequencies_are_vllms_and_partial_rotary_halves_the_pairs():
+    rotary = rotary_of({"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}, 128)
+    assert rotary.rotary_dim == 128 and rotary.neox
+    np.testing.assert_array_equal(rotary.inv_freq, _torch_inv_freq(500000.0, 128))
+    partial = rotary_of({"rope_theta": 10000.0, "partial_rotary_factor": 0.5}, 64)
+    assert partial.rotary_dim == 32 and len(partial.inv_freq) == 16
+    first, second = partial.columns(np.array([0, 15]))
+    assert first.tolist() == [0, 15] and second.tolist() == [16, 31]
+
+
+def test_llama3_scaling_divides_the_slow_pairs_only():
+    params = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    scaled = rotary_of({"rope_parameters": params, "max_position_embeddings": 131072}, 128).inv_freq
+    plain = _torch_inv_freq(500000.0, 128)
+    wave = 2 * math.pi / plain
+    np.testing.assert_array_equal(scaled[wave < 8192 / 4], plain[wave < 8192 / 4])
+    np.testing.assert_allclose(scaled[wave > 8192], plain[wave > 8192] / 8, rtol=1e-6)
+    between = (wave >= 8192 / 4) & (wave <= 8192)
+    assert between.any() and ((scaled[between] < plain[between]) & (scaled[between] > plain[between] / 8)).all()
+
+
+def test_each_layer_kind_reads_its_own_parameters_and_others_are_refused():
+    gemma = {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                 "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}
+    assert rope_parameters(gemma, "sliding_attention")["rope_theta"] == 10000.0
+    assert rope_parameters(gemma)["rope_theta"] == 1000000.0
+    old = {"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}, "max_position_embeddings": 100}
+    linear = rotary_of(old, 64)
+    np.testing.assert_allclose(linear.inv_freq, _torch_inv_freq(5e5, 64) / 2, rtol=1e-6)
+    assert linear.max_position == 200
+    for refused in ({"rope_type": "yarn", "factor": 4.0}, {"rope_type": "default", "mrope_section": [16, 24, 24]},
+                    {"rope_type": "dynamic", "factor": 2.0}):
+        with pytest.raises(LayoutError):
+            rotary_of({"rope_parameters": refused}, 128)
+
+
+@pytest.mark.parametrize("head, start", [(64, 0), (64, 4096), (128, 123456), (128, 7)])
+def test_a_pages_start_is_decoded_from_its_rows(head, start):
+    """Rows turned to consecutive positions (rounded to bfloat16's 8 bits, as a page holds them)
+    decode to their first position exactly; the start is evidence, the distance the verdict."""
+    rng = np.random.default_rng(head + start)
+    rotary = rotary_of({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192},
+                        "max_position_embeddings": 131072}, head)
+    pairs = rotary.probed_pairs
+    pre_first, pre_second = rng.standard_normal((2, 16, len(pairs))).astype(np.float32)
+    first, second = rotate(pre_first, pre_second, rotary.angles(start + np.arange(16), pairs))
+    noisy = [x * (1 + rng.uniform(-4e-3, 4e-3, x.shape)) for x in (first, second)]
+    assert decode_start(*noisy, pre_first, pre_second, rotary, pairs) == start
