@@ -110,3 +110,14 @@ def test_host_checker_matches_the_reference_checker():
             offset = (offset + 63) // 64 * 64
     assert HostChecker().check_values(buffer, items) == [
         reference.check_value(buffer[start: start + size], shape) for start, size, shape in items]
+
+
+def test_the_key_binding_benchmark_runs_and_checks_its_verdicts():
+    """`benchmarks.key_binding` at its smallest: both guards and both scans run, and it exits 0 only
+    when nothing healthy was refused or flagged and every page's K was checked."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.key_binding", "--calls", "3", "--pages", "8",
+                           "--rounds", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MC_LOG_LEVEL": "ERROR"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert [line.split(",")[0] for line in lines] == ["guard", "scan"] and all(" K " in line for line in lines)

@@ -231,7 +231,7 @@ class TokenImages:
 @dataclass(frozen=True)
 class KeyImages:
     """Layer 0's K of every token before its rotation, for one of a rank's KV heads, on the columns of
-    `rotary.probed_pairs` (vocab, 2 * pairs: each pair's first columns, then its second). The input is
+    `rotary.probed_pairs` (vocab, 2 * pairs: each pair's two columns side by side). The input is
     V's (`normed_by`: the same embeddings, scale and norm); a per-head norm (``k_norm``: Qwen3's,
     Gemma 3's) needs the head's every column, so a block of the vocabulary is projected whole on it."""
 
@@ -250,8 +250,14 @@ class KeyImages:
 
     @cached_property
     def columns(self) -> np.ndarray:
-        """The head's columns the table holds: each probed pair's first, then each one's second."""
-        return np.concatenate(self.rotary.columns(self.pairs))
+        """The head's columns the table holds, each probed pair's two side by side: a row of them read
+        as complex64 is each pair as one number (`turned`), which a rotation multiplies."""
+        return np.stack(self.rotary.columns(self.pairs), axis=1).reshape(-1)
+
+    @cached_property
+    def turned(self) -> np.ndarray:
+        """The table as complex64 (vocab, pairs): each pair's first column the real part, its second the imaginary."""
+        return self.table.view(np.complex64)
 
     @cached_property
     def table_squares(self) -> np.ndarray:

@@ -40,6 +40,10 @@ class Rotary:
         half = self.rotary_dim // 2
         return np.unique(np.linspace(0, half - 1, min(PROBED_PAIRS, half)).round().astype(np.int64))
 
+    def describe(self) -> dict:
+        """For the report: the rotated columns, the pairs checked and their pairing."""
+        return {"rotary_dim": self.rotary_dim, "pairs": len(self.probed_pairs), "neox": self.neox}
+
     def angles(self, positions: np.ndarray, pairs: np.ndarray) -> np.ndarray:
         """(rows, pairs): each position's angle in each pair, as vLLM's cache holds it (float32
         position times float32 frequency, then cos and sin)."""
@@ -105,15 +109,14 @@ def rotate(first: np.ndarray, second: np.ndarray, angles: np.ndarray) -> tuple[n
     return first * cos - second * sin, second * cos + first * sin
 
 
-def decode_start(first: np.ndarray, second: np.ndarray, pre_first: np.ndarray, pre_second: np.ndarray,
-                 rotary: Rotary, pairs: np.ndarray) -> int:
-    """The position of a page's first row, from K rows at consecutive positions (rows, pairs) and
-    their tokens' pre-rotary K on the same pairs: each pair's turn, summed over the rows, gives the
-    start times its frequency modulo a turn; unwrapped from the slowest pair to the fastest, each
-    narrowing the estimate. Evidence only: a row is judged by its distance at a position
-    (`audit.checks.binding.key_distances`), never by this estimate."""
-    steps = np.arange(len(first), dtype=np.float64)[:, None] * rotary.inv_freq[pairs].astype(np.float64)
-    turned = ((first + 1j * second) * np.conj(pre_first + 1j * pre_second) * np.exp(-1j * steps)).sum(axis=0)
+def decode_start(observed: np.ndarray, pre: np.ndarray, rotary: Rotary, pairs: np.ndarray) -> int:
+    """The position of a page's first row, from K rows at consecutive positions and their tokens' K
+    before the rotation, each pair as one complex number (rows, pairs): each pair's turn, summed over
+    the rows, gives the start times its frequency modulo a turn; unwrapped from the slowest pair to
+    the fastest, each narrowing the estimate. Evidence only: a row is judged by its distance at a
+    position (`audit.checks.binding.key_distances`), never by this estimate."""
+    steps = np.arange(len(observed), dtype=np.float64)[:, None] * rotary.inv_freq[pairs].astype(np.float64)
+    turned = (observed.astype(np.complex128) * np.conj(pre) * np.exp(-1j * steps)).sum(axis=0)
     strength = np.abs(turned)
     order = [int(i) for i in np.argsort(rotary.inv_freq[pairs]) if strength[i] > 1e-3 * strength.max()]
     if not order:

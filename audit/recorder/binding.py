@@ -132,28 +132,18 @@ KEY_ROWS = 4  # of a page's filled rows, the guards compare this many K rows (it
 def _misplaced(keyed: list[tuple], keys, sampled: dict) -> list[int]:
     """Of attention pages whose V rows bound, those whose K rows (of the table's head, read each way
     `audit.judge.binding.key_rows` reads them) are not their tokens' K at consecutive positions from
-    the start their request recorded (else from any multiple of the page's rows). The pages read in
-    the CPU backend's order with a recorded start, as a rule every one, are judged as one array on
-    KEY_ROWS rows each (`_sampled_rows`; two rows fix a block's positions, and V has judged every
-    row's token); a page that does not fit there is judged on every row, each way its K may lie."""
+    the start their request recorded. The pages read in the CPU backend's order, as a rule every
+    one, are judged as one array on KEY_ROWS rows each (`_sampled_rows`; two rows fix a block's
+    positions, and V has judged every row's token); a page that does not fit there is judged on
+    every row, each way its K may lie. A page whose start was not recorded is judged on V alone, as
+    a key without a record is: reading its start from the bytes costs a load 0.1-0.2 ms a page (the
+    scan does it)."""
     at_once, alone = [], []
     for entry in keyed:
-        (at_once if entry[3] == 0 and entry[4] is not None else alone).append(entry)
+        if entry[4] is not None:  # (no start recorded: judged on V alone, as a key without a record is)
+            (at_once if entry[3] == 0 else alone).append(entry)
     if at_once:
-        probed, tokens, positions, counts = [], [], [], []
-        for _, (data, geometry), its_tokens, _, start in at_once:
-            filled = len(its_tokens)
-            if (sample := sampled.get((geometry, filled))) is None:
-                sample = sampled[geometry, filled] = _sampled_rows(geometry, keys, filled)
-            rows, elements, raw = sample
-            numbers = data.view(raw).take(elements)
-            probed.append(numbers.view(np.float32) if geometry.dtype == "float32" else
-                          decode_floats(numbers.view(np.uint8).reshape(-1), geometry.dtype).reshape(elements.shape))
-            tokens.append(its_tokens[rows])
-            positions.append(start + rows)
-            counts.append(len(rows))
-        near = key_distances(np.concatenate(probed).astype(np.float32, copy=False), np.concatenate(tokens),
-                             np.concatenate(positions), keys) <= ROW_TOLERANCE
+        near, counts = _sampled_fit(at_once, keys, sampled)
         fits = near.reshape(len(counts), -1).all(axis=1).tolist() if len(set(counts)) == 1 else \
             np.logical_and.reduceat(near, np.cumsum(counts) - counts).tolist()
         alone += [entry for entry, fit in zip(at_once, fits) if not fit]  # (its K may lie another way: every row)
@@ -161,11 +151,33 @@ def _misplaced(keyed: list[tuple], keys, sampled: dict) -> list[int]:
     if alone:
         from audit.judge.binding import key_rows
     for index, (data, geometry), tokens, order, start in alone:
-        if not any((distances <= ROW_TOLERANCE).all() and (start is not None or found % geometry.shape[1] == 0)
-                   for rows in key_rows(data, geometry, order, keys.head)
-                   for found, distances in [key_positions(rows[:len(tokens)], tokens, keys, start)]):
+        if not any((key_positions(rows[:len(tokens)], tokens, keys, start)[1] <= ROW_TOLERANCE).all()
+                   for rows in key_rows(data, geometry, order, keys.head)):
             misplaced.append(index)
     return misplaced
+
+
+def _sampled_fit(pages: list[tuple], keys, sampled: dict) -> tuple[np.ndarray, list[int]]:
+    """Whether each page's sampled K rows (`_sampled_rows`) are their tokens' K at their recorded
+    positions, as one array of every page's rows; and how many rows each page gave."""
+    probed, samples = [], []
+    for _, (data, geometry), its_tokens, _, _ in pages:
+        filled = len(its_tokens)
+        if (sample := sampled.get((geometry.segment, filled))) is None:
+            sample = sampled[geometry.segment, filled] = _sampled_rows(geometry, keys, filled)
+        numbers = data.view(sample[2]).take(sample[1])
+        probed.append(numbers.view(np.float32) if geometry.dtype == "float32" else
+                      decode_floats(numbers.view(np.uint8).reshape(-1), geometry.dtype).reshape(sample[1].shape))
+        samples.append(sample)
+    rows = samples[0][0]
+    if all(sample is samples[0] for sample in samples):  # (as a rule: every page whole, of one group)
+        tokens = np.stack([its_tokens for _, _, its_tokens, _, _ in pages])[:, rows].reshape(-1)
+        positions = np.add.outer(np.array([start for *_, start in pages]), rows).reshape(-1)
+    else:
+        tokens = np.concatenate([its_tokens[sample[0]] for (_, _, its_tokens, _, _), sample in zip(pages, samples)])
+        positions = np.concatenate([start + sample[0] for (*_, start), sample in zip(pages, samples)])
+    near = key_distances(np.concatenate(probed).astype(np.float32, copy=False), tokens, positions, keys) <= ROW_TOLERANCE
+    return near, [len(sample[0]) for sample in samples]
 
 
 def _sampled_rows(geometry: Layer0Rows, keys, filled: int) -> tuple[np.ndarray, np.ndarray, np.dtype]:
@@ -188,7 +200,7 @@ class StateBinder:
         self.building: threading.Thread | None = None  # the thread building the images (joined by tests)
         self._refreshed = -REFRESH_S
         self._gathers: dict[int, tuple] = {}  # each group's (Layer0Rows, `row_elements`, raw number dtype)
-        self._sampled: dict[tuple, tuple] = {}  # (Layer0Rows, rows filled) -> `_sampled_rows`
+        self._sampled: dict[tuple, tuple] = {}  # (a group's layer-0 segment, rows filled) -> `_sampled_rows`
         self._gathers_of = None  # the images those were made for (`describe` clears them too)
 
     def describe(self, document: dict, *, background: bool = True) -> threading.Thread | None:

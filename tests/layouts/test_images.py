@@ -368,6 +368,7 @@ def _latent_by_vllm(tensors: dict, tokens: list[int], rank: int = 16) -> np.ndar
 @pytest.mark.parametrize("tp", [1, 2])
 def test_mla_images_are_layer0s_normed_latent_on_every_rank(tmp_path, monkeypatch, tp):
     # the latent is replicated: every rank's images are the same
+
     monkeypatch.setenv("MOONCAKE_AUDIT_CACHE", str(tmp_path / "cache"))
     tensors = _deepseek_checkpoint(tmp_path / "ds", np.random.default_rng(9))
     tokens = [0, 3, 31, 3]
@@ -435,10 +436,9 @@ def test_k_images_turned_to_their_positions_are_vllms_k(tmp_path, monkeypatch, m
         keys = token_images(directory, "m", tp, rank).keys
         assert keys is not None and keys.head == 0
         expected = _k_by_vllm(tensors, tokens, scale, norm_kind, 1e-5, rank, tp, positions)
-        half = len(keys.pairs)
-        first, second = rotate(keys.table[tokens][:, :half], keys.table[tokens][:, half:],
+        first, second = rotate(keys.table[tokens][:, 0::2], keys.table[tokens][:, 1::2],
                                keys.rotary.angles(np.array(positions), keys.pairs))
-        np.testing.assert_allclose(np.concatenate([first, second], axis=1), expected[:, keys.columns],
+        np.testing.assert_allclose(np.stack([first, second], axis=2).reshape(len(tokens), -1), expected[:, keys.columns],
                                    rtol=1e-4, atol=1e-5)
         start, distances = key_positions(expected, np.array(tokens), keys)
         assert start == 96 and distances.max() < 1e-4

@@ -65,4 +65,4 @@ def test_a_pages_start_is_decoded_from_its_rows(head, start):
     pre_first, pre_second = rng.standard_normal((2, 16, len(pairs))).astype(np.float32)
     first, second = rotate(pre_first, pre_second, rotary.angles(start + np.arange(16), pairs))
     noisy = [x * (1 + rng.uniform(-4e-3, 4e-3, x.shape)) for x in (first, second)]
-    assert decode_start(*noisy, pre_first, pre_second, rotary, pairs) == start
+    assert decode_start(noisy[0] + 1j * noisy[1], pre_first + 1j * pre_second, rotary, pairs) == start

@@ -169,8 +169,7 @@ def _k_images(config: dict, checkpoint, rule: VImageRule, weight, head_rows, val
         raise LayoutError(f"{norm_name} has shape {head_norm.shape}, not one head's {size}: K not bound")
     if head_norm is not None and rule.norm == "plus_one":
         head_norm = 1 + head_norm
-    source = {"projection": projection + ".weight (k rows)", "rotary": {
-        "rotary_dim": rotary.rotary_dim, "pairs": len(rotary.probed_pairs), "neox": rotary.neox}}
+    source = {"projection": projection + ".weight (k rows)", "rotary": rotary.describe()}
     if bias is not None:
         source["bias"] = projection + ".bias"
     if head_norm is not None:
