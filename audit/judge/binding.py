@@ -4,7 +4,9 @@ token under the weights the operator gave (`--model-config DIR` holding the chec
 Such a state is finite, non-zero and well formed, and still not what these weights compute for any
 prefix: another checkpoint published under the same model name, bytes read in the wrong dtype,
 garbage. The rows are decoded in `audit.checks.binding`; this module finds them in a value (layer
-0's conv region, or the V half of its attention page) and says what they show."""
+0's conv region, or the V half of its attention page) and says what they show. An attention page
+whose V binds is also held to its K (`bind_keys`): its tokens' K turned to the block's positions,
+else PREFIX_MISMATCH."""
 
 from __future__ import annotations
 

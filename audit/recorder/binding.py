@@ -2,8 +2,9 @@
 layer-0 V rows) are not images of tokens under the process's own weights is ``WEIGHTS_MISMATCH``;
 one whose rows are images of other tokens than those the process's own scheduler recorded for the
 key's chunk hash (its request's tokens: a conv state's last tokens before the boundary, a KV
-block's own tokens, `audit.recorder.prefixes`) is ``PREFIX_MISMATCH``. The load guard refuses such
-a value (`audit.recorder.guard`), the put guard withholds it (`audit.recorder.wrapper`).
+block's own tokens, `audit.recorder.prefixes`) is ``PREFIX_MISMATCH``, and so is an attention block
+whose layer-0 K is not its tokens' K at the block's recorded start (`_misplaced`). The load guard
+refuses such a value (`audit.recorder.guard`), the put guard withholds it (`audit.recorder.wrapper`).
 
 The weights are those vLLM loaded (the manifest's ``model_path``); the token-image table is built
 (or read from the user's cache) in a daemon thread once the process has described its caches, so
