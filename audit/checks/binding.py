@@ -149,6 +149,21 @@ def key_positions(k_rows: np.ndarray, tokens: np.ndarray, keys, start: int | Non
     return start, key_distances(probed, tokens, start + np.arange(len(k_rows)), keys)
 
 
+def placed_keys(readings, tokens: np.ndarray, keys, start: int | None, block: int) -> tuple[bool, tuple]:
+    """Whether a page's K rows, under any of their `readings` (the ways they may lie), are its
+    tokens' K at consecutive positions from `start` (None: from a multiple of `block`); and the
+    likeliest reading's (rows, start, distances), the evidence where none is."""
+    best = None
+    for rows in readings:
+        rows = rows[:len(tokens)]
+        found, distances = key_positions(rows, tokens, keys, start)
+        if (distances <= ROW_TOLERANCE).all() and (start is not None or found % block == 0):
+            return True, (rows, found, distances)
+        if best is None or distances.max() < best[2].max():
+            best = (rows, found, distances)
+    return False, best
+
+
 def probed_key_rows(k_rows: np.ndarray, keys) -> np.ndarray:
     """K rows of a head (rows, head_size) on the table's columns (`KeyImages.columns`), as float32."""
     return np.ascontiguousarray(k_rows[:, keys.columns], dtype=np.float32)

@@ -19,7 +19,14 @@ from pathlib import Path
 
 import numpy as np
 
-from audit.checks.binding import ROW_TOLERANCE, key_distances, key_positions, nearest_tokens, probed_key_rows
+from audit.checks.binding import (
+    ROW_TOLERANCE,
+    key_distances,
+    key_positions,
+    nearest_tokens,
+    placed_keys,
+    probed_key_rows,
+)
 from audit.checks.floats import FLOAT_DTYPES, decode_floats
 from audit.judge.fingerprints import ProducerWeights
 from audit.judge.prefixes import check_prefixes
@@ -420,17 +427,15 @@ def bind_keys(pages: list[tuple], images) -> int:
 
 
 def _bind_page_keys(record: KeyRecord, value, where: tuple, tokens, keys) -> None:
-    """`bind_keys` of one page, every way its K may lie; flagged with the evidence of the likeliest."""
+    """`bind_keys` of one page, every way its K may lie (`placed_keys`); flagged with the evidence of
+    the likeliest."""
     region, order, recorded = where
-    block, best = region.shape[1], None
-    for rows in key_rows(value, region, order, keys.head):
-        start, distances = key_positions(rows[:len(tokens)], np.asarray(tokens), keys, recorded)
-        if (distances <= ROW_TOLERANCE).all() and (recorded is not None or start % block == 0):
-            return
-        if best is None or distances.max() < best[2].max():
-            best = (rows[:len(tokens)], start, distances)
-    rows, start, distances = best
-    decoded = start if recorded is None else key_positions(rows, np.asarray(tokens), keys)[0]
+    block, tokens = region.shape[1], np.asarray(tokens)
+    placed, (rows, start, distances) = placed_keys(key_rows(value, region, order, keys.head), tokens, keys,
+                                                   recorded, block)
+    if placed:
+        return
+    decoded = start if recorded is None else key_positions(rows, tokens, keys)[0]
     if Verdict.PREFIX_MISMATCH not in record.verdicts:
         record.verdicts.append(Verdict.PREFIX_MISMATCH)
     worst = int(np.argmax(distances))

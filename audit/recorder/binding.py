@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from audit.checks.binding import ROW_TOLERANCE, key_distances, key_positions, nearest_on_checked
+from audit.checks.binding import ROW_TOLERANCE, key_distances, nearest_on_checked, placed_keys
 from audit.checks.floats import decode_floats
 from audit.judge.prefixes import encoded_prefix_matches, prefix_matches
 from audit.layouts.manifest import segment_layer
@@ -152,8 +152,7 @@ def _misplaced(keyed: list[tuple], keys, sampled: dict) -> list[int]:
     if alone:
         from audit.judge.binding import key_rows
     for index, (data, geometry), tokens, order, start in alone:
-        if not any((key_positions(rows[:len(tokens)], tokens, keys, start)[1] <= ROW_TOLERANCE).all()
-                   for rows in key_rows(data, geometry, order, keys.head)):
+        if not placed_keys(key_rows(data, geometry, order, keys.head), tokens, keys, start, geometry.shape[1])[0]:
             misplaced.append(index)
     return misplaced
 
