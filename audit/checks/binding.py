@@ -175,8 +175,17 @@ def key_distances(probed: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
     distance (infinite for a row with NaN or Inf)."""
     missed = probed.view(np.complex64) - keys.turned[tokens] * _turns(keys.rotary.angles(positions, keys.pairs))
     miss = np.square(missed.view(np.float32)).sum(axis=1)
-    distances = np.sqrt(miss / np.maximum(keys.table_squares[tokens], np.float32(1e-30)))
+    distances = np.sqrt(miss / np.maximum(keys.table_squares[tokens], _TINY))
     return np.where(np.isnan(distances), np.inf, distances)
+
+
+def pages_keys_fit(probed: list[np.ndarray], tokens: list[np.ndarray], positions: list[np.ndarray], keys) -> list[bool]:
+    """Whether each page's K rows (`probed_key_rows`, with their tokens and positions) are all within
+    ROW_TOLERANCE of their tokens' K there: every page's rows judged as one array."""
+    counts = [len(rows) for rows in probed]
+    near = key_distances(np.concatenate(probed).astype(np.float32, copy=False), np.concatenate(tokens).astype(np.int64),
+                         np.concatenate(positions), keys) <= ROW_TOLERANCE
+    return np.logical_and.reduceat(near, np.cumsum(counts) - counts).tolist()
 
 
 def _turns(angles: np.ndarray) -> np.ndarray:

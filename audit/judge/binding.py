@@ -21,9 +21,9 @@ import numpy as np
 
 from audit.checks.binding import (
     ROW_TOLERANCE,
-    key_distances,
     key_positions,
     nearest_tokens,
+    pages_keys_fit,
     placed_keys,
     probed_key_rows,
 )
@@ -415,11 +415,8 @@ def bind_keys(pages: list[tuple], images) -> int:
     if at_once:
         probed = [probed_key_rows(next(key_rows(value, region, order, keys.head))[:len(tokens)], keys)
                   for _, value, (region, order, _), tokens in at_once]
-        lengths = [len(rows) for rows in probed]
-        positions = np.concatenate([start + np.arange(n) for (_, _, (_, _, start), _), n in zip(at_once, lengths)])
-        near = key_distances(np.concatenate(probed), np.concatenate([tokens for *_, tokens in at_once]).astype(np.int64),
-                             positions, keys) <= ROW_TOLERANCE
-        fits = np.logical_and.reduceat(near, np.cumsum(lengths) - lengths).tolist()
+        fits = pages_keys_fit(probed, [tokens for *_, tokens in at_once],
+                              [start + np.arange(len(rows)) for (_, _, (_, _, start), _), rows in zip(at_once, probed)], keys)
         alone += [page for page, fit in zip(at_once, fits) if not fit]
     for record, value, where, tokens in alone:
         _bind_page_keys(record, value, where, tokens, keys)

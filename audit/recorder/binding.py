@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from audit.checks.binding import ROW_TOLERANCE, key_distances, nearest_on_checked, placed_keys
+from audit.checks.binding import ROW_TOLERANCE, nearest_on_checked, pages_keys_fit, placed_keys
 from audit.checks.floats import decode_floats
 from audit.judge.prefixes import encoded_prefix_matches, prefix_matches
 from audit.layouts.manifest import segment_layer
@@ -144,9 +144,7 @@ def _misplaced(keyed: list[tuple], keys, sampled: dict) -> list[int]:
         if entry[4] is not None:  # (no start recorded: judged on V alone, as a key without a record is)
             (at_once if entry[3] == 0 else alone).append(entry)
     if at_once:
-        near, counts = _sampled_fit(at_once, keys, sampled)
-        fits = near.reshape(len(counts), -1).all(axis=1).tolist() if len(set(counts)) == 1 else \
-            np.logical_and.reduceat(near, np.cumsum(counts) - counts).tolist()
+        fits = _sampled_fit(at_once, keys, sampled)
         alone += [entry for entry, fit in zip(at_once, fits) if not fit]  # (its K may lie another way: every row)
     misplaced = []
     if alone:
@@ -157,27 +155,21 @@ def _misplaced(keyed: list[tuple], keys, sampled: dict) -> list[int]:
     return misplaced
 
 
-def _sampled_fit(pages: list[tuple], keys, sampled: dict) -> tuple[np.ndarray, list[int]]:
+def _sampled_fit(pages: list[tuple], keys, sampled: dict) -> list[bool]:
     """Whether each page's sampled K rows (`_sampled_rows`) are their tokens' K at their recorded
-    positions, as one array of every page's rows; and how many rows each page gave."""
-    probed, samples = [], []
-    for _, (data, geometry), its_tokens, _, _ in pages:
+    positions (`pages_keys_fit`: every page's rows as one array)."""
+    probed, tokens, positions = [], [], []
+    for _, (data, geometry), its_tokens, _, start in pages:
         filled = len(its_tokens)
         if (sample := sampled.get((geometry.segment, filled))) is None:
             sample = sampled[geometry.segment, filled] = _sampled_rows(geometry, keys, filled)
-        numbers = data.view(sample[2]).take(sample[1])
+        rows, elements, raw = sample
+        numbers = data.view(raw).take(elements)
         probed.append(numbers.view(np.float32) if geometry.dtype == "float32" else
-                      decode_floats(numbers.view(np.uint8).reshape(-1), geometry.dtype).reshape(sample[1].shape))
-        samples.append(sample)
-    rows = samples[0][0]
-    if all(sample is samples[0] for sample in samples):  # (as a rule: every page whole, of one group)
-        tokens = np.stack([its_tokens for _, _, its_tokens, _, _ in pages])[:, rows].reshape(-1)
-        positions = np.add.outer(np.array([start for *_, start in pages]), rows).reshape(-1)
-    else:
-        tokens = np.concatenate([its_tokens[sample[0]] for (_, _, its_tokens, _, _), sample in zip(pages, samples)])
-        positions = np.concatenate([start + sample[0] for (*_, start), sample in zip(pages, samples)])
-    near = key_distances(np.concatenate(probed).astype(np.float32, copy=False), tokens, positions, keys) <= ROW_TOLERANCE
-    return near, [len(sample[0]) for sample in samples]
+                      decode_floats(numbers.view(np.uint8).reshape(-1), geometry.dtype).reshape(elements.shape))
+        tokens.append(its_tokens[rows])
+        positions.append(start + rows)
+    return pages_keys_fit(probed, tokens, positions, keys)
 
 
 def _sampled_rows(geometry: Layer0Rows, keys, filled: int) -> tuple[np.ndarray, np.ndarray, np.dtype]:
