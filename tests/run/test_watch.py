@@ -136,7 +136,10 @@ def test_a_short_period_reads_verified_keys_again(watchers, publisher, cli_args,
     assert watcher.stop() == 0
 
 
-def test_a_dead_holders_keys_are_unreachable_retried_and_not_flagged(watchers, tmp_path):
+def test_a_dead_holders_keys_are_unreachable_retried_and_not_flagged(watchers, tmp_path, monkeypatch):
+    # A read from a holder that does not answer waits out MC_TRANSFER_TIMEOUT (30 s unless set; 5 s is
+    # its minimum), each round, until the master drops the holder: a round may take that long.
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
     with LocalCluster(holders=1, segment_mb=64) as own:  # its dead segment must not take other tests' puts
         extra = own.add_holder()
         publisher = Publisher(settings_for(own))
@@ -151,9 +154,9 @@ def test_a_dead_holders_keys_are_unreachable_retried_and_not_flagged(watchers, t
         args = ["--master", own.master_address, "--metadata", own.metadata_url, "--admin", own.admin_url,
                 "--local-hostname", "127.0.0.1"]
         watcher = watchers(args, "dead/", tmp_path)
-        metrics = watcher.wait_for(lambda m: m.get("mooncake_audit_watch_keys_unreachable", 0) >= 1)
+        metrics = watcher.wait_for(lambda m: m.get("mooncake_audit_watch_keys_unreachable", 0) >= 1, timeout_s=60)
         rounds = metrics["mooncake_audit_watch_rounds_total"]
-        metrics = watcher.wait_for(lambda m: m["mooncake_audit_watch_rounds_total"] >= rounds + 2)
+        metrics = watcher.wait_for(lambda m: m["mooncake_audit_watch_rounds_total"] >= rounds + 2, timeout_s=90)
         assert metrics["mooncake_audit_findings"] == 0
         verified = _verified(tmp_path)
         assert set(names) - on_extra <= set(verified) and not on_extra & set(verified)
