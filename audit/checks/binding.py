@@ -182,7 +182,7 @@ def key_distances(probed: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
 def pages_keys_fit(probed: list[np.ndarray], tokens: list[np.ndarray], positions: list[np.ndarray], keys) -> list[bool]:
     """Whether each page's K rows (`probed_key_rows`, with their tokens and positions) are all within
     ROW_TOLERANCE of their tokens' K there: every page's rows judged as one array."""
-    counts = [len(rows) for rows in probed]
+    counts = np.fromiter(map(len, probed), np.int64, len(probed))
     near = key_distances(np.concatenate(probed).astype(np.float32, copy=False), np.concatenate(tokens).astype(np.int64),
                          np.concatenate(positions), keys) <= ROW_TOLERANCE
     return np.logical_and.reduceat(near, np.cumsum(counts) - counts).tolist()

@@ -130,56 +130,63 @@ def _later_readings(data: np.ndarray, geometry: Layer0Rows, filled: int | None, 
 KEY_ROWS = 4  # of a page's filled rows, the guards compare this many K rows (its first and last among them)
 
 
-def _misplaced(keyed: list[tuple], keys, sampled: dict) -> list[int]:
+@dataclass(frozen=True)
+class PageGather:
+    """What the guards gather of an attention page in one `take`: its first `filled` V rows on the
+    images' check columns, then KEY_ROWS of its K rows (`rows`) on the K table's columns, as the CPU
+    backend keeps them (K transposed); `split`: where the K numbers begin."""
+
+    elements: np.ndarray
+    split: int
+    v_shape: tuple[int, int]
+    rows: np.ndarray
+    k_shape: tuple[int, int]
+
+    def read(self, data: np.ndarray, raw: np.dtype, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+        numbers = _decoded(data.view(raw).take(self.elements), dtype)
+        return numbers[:self.split].reshape(self.v_shape), numbers[self.split:].reshape(self.k_shape)
+
+
+def page_gather(geometry: Layer0Rows, v_elements: np.ndarray, keys, filled: int) -> PageGather:
+    """A page's `PageGather` for its first `filled` rows (`v_elements`: `row_elements` of every row)."""
+    heads, tokens, width = geometry.shape
+    held = min(filled, tokens)  # (a record of more tokens than the page holds: its V says so)
+    rows = np.unique(np.linspace(0, held - 1, min(KEY_ROWS, held)).round().astype(np.int64))
+    k_elements = np.arange(heads * width * tokens).reshape(heads, 2, width // 2, tokens)[keys.head, 0][keys.columns]
+    v, k = v_elements[:filled], k_elements[:, rows].T
+    return PageGather(np.concatenate([v.ravel(), k.ravel()]), v.size, v.shape, rows, k.shape)
+
+
+def _decoded(numbers: np.ndarray, dtype: str) -> np.ndarray:
+    """Raw numbers gathered from a page (unsigned integers of the dtype's width) as float32."""
+    if dtype == "float32":
+        return numbers.view(np.float32)
+    return decode_floats(numbers.view(np.uint8).reshape(-1), dtype).reshape(numbers.shape)
+
+
+def _misplaced(keyed: list[tuple], keys) -> list[int]:
     """Of attention pages whose V rows bound, those whose K rows (of the table's head, read each way
     `audit.judge.binding.key_rows` reads them) are not their tokens' K at consecutive positions from
     the start their request recorded. The pages read in the CPU backend's order, as a rule every
-    one, are judged as one array on KEY_ROWS rows each (`_sampled_rows`; two rows fix a block's
-    positions, and V has judged every row's token); a page that does not fit there is judged on
-    every row, each way its K may lie. A page whose start was not recorded is judged on V alone, as
-    a key without a record is: reading its start from the bytes costs a load 0.1-0.2 ms a page (the
-    scan does it)."""
-    at_once, alone = [], []
-    for entry in keyed:
-        if entry[4] is not None:  # (no start recorded: judged on V alone, as a key without a record is)
-            (at_once if entry[3] == 0 else alone).append(entry)
+    one, are judged as one array on the KEY_ROWS rows gathered with their V (`PageGather`; two rows
+    fix a block's positions, and V has judged every row's token); a page that does not fit there
+    is judged on every row, each way its K may lie. A page whose start was not recorded is judged
+    on V alone, as a key without a record is: reading its start from the bytes costs a load
+    0.1-0.2 ms a page (the scan does it)."""
+    at_once = [entry for entry in keyed if entry[3] == 0]
+    alone = [entry for entry in keyed if entry[3] != 0]
     if at_once:
-        fits = _sampled_fit(at_once, keys, sampled)
+        fits = pages_keys_fit([sampled for *_, (sampled, _) in at_once],
+                              [tokens[rows] for _, _, tokens, _, _, (_, rows) in at_once],
+                              [start + rows for _, _, _, _, start, (_, rows) in at_once], keys)
         alone += [entry for entry, fit in zip(at_once, fits) if not fit]  # (its K may lie another way: every row)
     misplaced = []
     if alone:
         from audit.judge.binding import key_rows
-    for index, (data, geometry), tokens, order, start in alone:
+    for index, (data, geometry), tokens, order, start, _ in alone:
         if not placed_keys(key_rows(data, geometry, order, keys.head), tokens, keys, start, geometry.shape[1])[0]:
             misplaced.append(index)
     return misplaced
-
-
-def _sampled_fit(pages: list[tuple], keys, sampled: dict) -> list[bool]:
-    """Whether each page's sampled K rows (`_sampled_rows`) are their tokens' K at their recorded
-    positions (`pages_keys_fit`: every page's rows as one array)."""
-    probed, tokens, positions = [], [], []
-    for _, (data, geometry), its_tokens, _, start in pages:
-        filled = len(its_tokens)
-        if (sample := sampled.get((geometry.segment, filled))) is None:
-            sample = sampled[geometry.segment, filled] = _sampled_rows(geometry, keys, filled)
-        rows, elements, raw = sample
-        numbers = data.view(raw).take(elements)
-        probed.append(numbers.view(np.float32) if geometry.dtype == "float32" else
-                      decode_floats(numbers.view(np.uint8).reshape(-1), geometry.dtype).reshape(elements.shape))
-        tokens.append(its_tokens[rows])
-        positions.append(start + rows)
-    return pages_keys_fit(probed, tokens, positions, keys)
-
-
-def _sampled_rows(geometry: Layer0Rows, keys, filled: int) -> tuple[np.ndarray, np.ndarray, np.dtype]:
-    """KEY_ROWS of a page's first `filled` rows, spread evenly (its first and last among them), where
-    their K of the table's head lies on its columns (rows, columns: element indices into the page's
-    numbers, from the CPU backend's transposed K), and the page's raw number dtype."""
-    heads, tokens, width = geometry.shape
-    rows = np.unique(np.linspace(0, filled - 1, min(KEY_ROWS, filled)).round().astype(np.int64))
-    elements = np.arange(heads * width * tokens).reshape(heads, 2, width // 2, tokens)[keys.head, 0][keys.columns]
-    return rows, elements[:, rows].T.copy(), np.dtype(f"u{_UNSCALED[geometry.dtype]}")
 
 
 class StateBinder:
@@ -192,13 +199,13 @@ class StateBinder:
         self.building: threading.Thread | None = None  # the thread building the images (joined by tests)
         self._refreshed = -REFRESH_S
         self._gathers: dict[int, tuple] = {}  # each group's (Layer0Rows, `row_elements`, raw number dtype)
-        self._sampled: dict[tuple, tuple] = {}  # (a group's layer-0 segment, rows filled) -> `_sampled_rows`
+        self._pages: dict[tuple[int, int], PageGather] = {}  # (group, rows filled) -> what its pages' gather
         self._gathers_of = None  # the images those were made for (`describe` clears them too)
 
     def describe(self, document: dict, *, background: bool = True) -> threading.Thread | None:
         """The consumer's manifest: each group's layer-0 conv state or attention page, and the
         weights it loaded."""
-        self.layer0, self._gathers, self._sampled = {}, {}, {}
+        self.layer0, self._gathers, self._pages = {}, {}, {}
         for group in document.get("groups") or []:
             conv = next((s for s in group.get("states") or () if s.get("name") == "conv"), None)
             segment = next((s for s in group.get("segments") or () if segment_layer(document, s) == 0), None)
@@ -252,34 +259,36 @@ class StateBinder:
         region, columns = record_region(images.region), images.check_columns
         records = {}  # index -> its chunk hash's record, as kept (`window_and_digest`): one lookup a key
         if self._gathers_of is not images:
-            self._gathers, self._sampled, self._gathers_of = {}, {}, images
-        bound: list[tuple[int, tuple]] = []  # (index, its group's gather), for the values bound here
+            self._gathers, self._pages, self._gathers_of = {}, {}, images
+        bound: list[tuple[int, int, tuple]] = []  # (index, its group, its group's gather), for the values bound here
         for index in loaded:
             group = key_group(keys[index])
             if (gather := self._gathers.get(group)) is None:
                 gather = self._gathers[group] = self._gather(self.layer0.get(group), images)
             if gather[1] is not None:
-                bound.append((index, gather))
+                bound.append((index, group, gather))
         regions = region_bytes([(index, geometry.segment, geometry.offset, geometry.length)
-                                for index, (geometry, _, _) in bound])
-        pages = {}  # index -> (its attention page's bytes, its geometry), for its K
-        for (index, (geometry, elements, raw)), data in zip(bound, regions):
-            key = keys[index]
+                                for index, _, (geometry, _, _) in bound])
+        pages = {}  # index -> ((its attention page's bytes, its geometry), its recorded start, (K rows, which)), for K
+        for (index, group, (geometry, elements, raw)), data in zip(bound, regions):
             if len(data) != geometry.length:
                 continue
-            numbers = data.view(raw).take(elements)  # (tokens, check): these few numbers, not the page
-            rows = numbers.view(np.float32) if geometry.dtype == "float32" \
-                else decode_floats(numbers.view(np.uint8).reshape(-1), geometry.dtype).reshape(elements.shape)
-            record = records[index] = self._record(key.rpartition("@")[2], region)
-            if geometry.kind == "conv":
-                pending.append((index, rows, iter(())))
+            record = records[index] = self._record(keys[index].rpartition("@")[2], region)
+            if geometry.kind == "conv":  # (the gathers take these few numbers, not the page)
+                pending.append((index, _decoded(data.view(raw).take(elements), geometry.dtype), iter(())))
                 continue
             # a partial tail block: its own tokens' rows only, as its request's record says (None: all)
             filled = None if record is None else window_and_digest(record)[0]
+            start = record_start(record)
+            if start is not None and geometry.kind == "v" and images.keys is not None:  # V and K in one take
+                if (pair := self._pages.get((group, filled))) is None:
+                    pair = self._pages[group, filled] = page_gather(geometry, elements, images.keys, filled)
+                rows, sampled = pair.read(data, raw, geometry.dtype)
+                pages[index] = ((data, geometry), start, (sampled, pair.rows))
+            else:
+                rows = _decoded(data.view(raw).take(elements[:filled]), geometry.dtype)
             later = _later_readings(data, geometry, filled, columns) if geometry.kind == "v" else iter(())
-            if geometry.kind == "v" and images.keys is not None:
-                pages[index] = (data, geometry)
-            pending.append((index, rows[:filled], later))
+            pending.append((index, rows, later))
         found = {}
         decided: dict[int, tuple] = {}  # index -> (its tokens, their token_bytes, all rows near an image, its reading)
         reading = 0
@@ -304,9 +313,9 @@ class StateBinder:
                     and prefix_matches(tokens, expected, images.twins, region) is False:
                 found[index] = PREFIX_MISMATCH
             elif index in pages:
-                keyed.append((index, pages[index], tokens, order, record_start(expected)))
+                keyed.append((index, pages[index][0], tokens, order, *pages[index][1:]))
         if keyed:
-            found.update(dict.fromkeys(_misplaced(keyed, images.keys, self._sampled), PREFIX_MISMATCH))
+            found.update(dict.fromkeys(_misplaced(keyed, images.keys), PREFIX_MISMATCH))
         return found
 
     @staticmethod
