@@ -233,7 +233,9 @@ class KeyImages:
     """Layer 0's K of every token before its rotation, for one of a rank's KV heads, on the columns of
     `rotary.probed_pairs` (vocab, 2 * pairs: each pair's two columns side by side). The input is
     V's (`normed_by`: the same embeddings, scale and norm); a per-head norm (``k_norm``: Qwen3's,
-    Gemma 3's) needs the head's every column, so a block of the vocabulary is projected whole on it."""
+    Gemma 3's) needs the head's every column, so a block of the vocabulary is projected whole on it;
+    a norm over every KV head (OLMo2's: vLLM gathers K across the ranks for it) needs every head's
+    (`norm_heads`), and scales the head's columns by their mean square."""
 
     normed_by: TokenImages
     weight: np.ndarray               # (head_size, hidden): the head's rows of the K projection
@@ -242,6 +244,7 @@ class KeyImages:
     bias: np.ndarray | None = None   # (head_size,)
     head_norm: np.ndarray | None = None  # (head_size,): the k_norm's weight (already 1 + w for a Gemma norm)
     head_eps: float = 1e-6
+    norm_heads: np.ndarray | None = None  # (every KV head's size, hidden): K's rows whose mean square the norm takes
     source: dict = field(default_factory=dict)  # which tensors and rotation, for the report
 
     @cached_property
@@ -270,14 +273,15 @@ class KeyImages:
         if self.bias is not None:
             k += self.bias
         if self.head_norm is not None:
-            k = k / np.sqrt(np.mean(k * k, axis=-1, keepdims=True) + np.float32(self.head_eps)) * self.head_norm
+            spanned = k if self.norm_heads is None else normed @ self.norm_heads.T
+            k = k / np.sqrt(np.mean(spanned * spanned, axis=-1, keepdims=True) + np.float32(self.head_eps)) * self.head_norm
         return k
 
     @cached_property
     def table(self) -> np.ndarray:
         images = self.normed_by
         digest = hashlib.sha256(np.ascontiguousarray(self.weight).tobytes())
-        for extra in (self.bias, self.head_norm, self.rotary.inv_freq):
+        for extra in (self.bias, self.head_norm, self.norm_heads, self.rotary.inv_freq):
             if extra is not None:
                 digest.update(np.ascontiguousarray(extra).tobytes())
         key = json.dumps(["k", images.checkpoint, images.tp_size, images.tp_rank, self.head, self.columns.tolist(),

@@ -114,7 +114,8 @@ ATTENTION_BINDING_MODELS: dict[str, TinyModel] = {m.name: m for m in [
     TinyModel("qwen2-tiny", "qwen2", "bfloat16", mamba=False, block_size=32, random_biases=True),
     TinyModel("gemma3-tiny", "gemma3_text", "bfloat16", mamba=False, block_size=32),
     TinyModel("granite-tiny", "granite", "bfloat16", mamba=False, block_size=32),
-    TinyModel("olmo2-tiny", "olmo2", "bfloat16", mamba=False, block_size=32),
+    TinyModel("olmo2-tiny", "olmo2", "bfloat16", mamba=False, block_size=32,
+              config_args={"num_key_value_heads": 2}),  # its k_norm over both KV heads (one would be per head)
     TinyModel("phi3-tiny-kv2", "phi3", "bfloat16", mamba=False, block_size=32,
               config_args={"num_key_value_heads": 2}),  # served at TP 2: a KV head a rank
 ]}
@@ -216,7 +217,7 @@ def hf_config(model: TinyModel):
     if model.family == "phi3":
         return t.Phi3Config(**{**attention, **model.config_args})
     if model.family == "olmo2":
-        return t.Olmo2Config(**attention, head_dim=64)
+        return t.Olmo2Config(**{**attention, **model.config_args}, head_dim=64)
     raise ValueError(model.family)
 
 

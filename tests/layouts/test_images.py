@@ -384,7 +384,8 @@ def _k_by_vllm(tensors: dict, tokens: list[int], scale: float, norm_kind: str | 
                tp: int, positions) -> np.ndarray:
     """vLLM 0.32 at layer 0 for the rank's first KV head: the same input as V, ``qkv_proj``'s k rows
     (and bias), a per-head ``k_norm`` where there is one (``qwen3.py``: RMSNorm; ``gemma3.py``:
-    GemmaRMSNorm), then ``get_rope``'s neox rotation at `positions` (theta 10000)."""
+    GemmaRMSNorm), or one over both KV heads (``olmo2.py``: K gathered from the ranks, normed, split
+    again), then ``get_rope``'s neox rotation at `positions` (theta 10000)."""
     norm = tensors["model.layers.0.input_layernorm.weight"]
     h = tensors["model.embed_tokens.weight"][tokens] * np.float32(scale)
     n = h if norm_kind is None else \
@@ -393,7 +394,10 @@ def _k_by_vllm(tensors: dict, tokens: list[int], scale: float, norm_kind: str | 
     k = fused[4 * HEAD:6 * HEAD] if fused is not None else tensors["model.layers.0.self_attn.k_proj.weight"]
     head = slice(rank * (2 // tp) * HEAD, rank * (2 // tp) * HEAD + HEAD)
     out = n @ k[head].T + tensors.get("model.layers.0.self_attn.k_proj.bias", np.zeros(len(k), np.float32))[head]
-    if (weight := tensors.get("model.layers.0.self_attn.k_norm.weight")) is not None:
+    if (weight := tensors.get("model.layers.0.self_attn.k_norm.weight")) is not None and len(weight) == 2 * HEAD:
+        every = n @ k.T
+        out = (every / np.sqrt(np.mean(every * every, axis=-1, keepdims=True) + eps) * weight)[:, head]
+    elif weight is not None:
         out = out / np.sqrt(np.mean(out * out, axis=-1, keepdims=True) + eps) * \
             ((1 + weight) if norm_kind == "plus_one" else weight)
     half = HEAD // 2
@@ -410,13 +414,14 @@ def _k_by_vllm(tensors: dict, tokens: list[int], scale: float, norm_kind: str | 
     ("qwen3", 1.0, "plain", False, False, True),
     ("gemma3_text", 8 ** 0.5, "plus_one", False, False, True),
     ("phi3", 1.0, "plain", True, False, False),
+    ("olmo2", 1.0, None, False, False, "every head"),
 ])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_k_images_turned_to_their_positions_are_vllms_k(tmp_path, monkeypatch, model_type, scale, norm_kind, fused,
                                                          bias, k_norm, tp):
     """Layer 0's K (`KeyImages`): the table's columns of each rank's first KV head, turned to a
-    position (`audit.layouts.rotary.rotate`), are vLLM's K of the token there; OLMo2 (k_norm across
-    heads) is named as not bound."""
+    position (`audit.layouts.rotary.rotate`), are vLLM's K of the token there (OLMo2's ``k_norm``
+    over every KV head too); a ``k_norm`` of another length is named as not bound."""
     from audit.checks.binding import key_positions
     from audit.layouts.rotary import rotate
 
@@ -429,7 +434,8 @@ def test_k_images_turned_to_their_positions_are_vllms_k(tmp_path, monkeypatch, m
     if bias:
         tensors["model.layers.0.self_attn.k_proj.bias"] = rng.standard_normal(2 * HEAD).astype(np.float32)
     if k_norm:
-        tensors["model.layers.0.self_attn.k_norm.weight"] = (0.5 + rng.random(HEAD)).astype(np.float32)
+        width = 2 * HEAD if k_norm == "every head" else HEAD
+        tensors["model.layers.0.self_attn.k_norm.weight"] = (0.5 + rng.random(width)).astype(np.float32)
     write_safetensors(directory / "model.safetensors", tensors)
     tokens, positions = [0, 7, 31, 7], [96, 97, 98, 99]
     for rank in range(tp):
@@ -442,6 +448,8 @@ def test_k_images_turned_to_their_positions_are_vllms_k(tmp_path, monkeypatch, m
                                    rtol=1e-4, atol=1e-5)
         start, distances = key_positions(expected, np.array(tokens), keys)
         assert start == 96 and distances.max() < 1e-4
-    olmo = tmp_path / "olmo2"
-    _v_rule_checkpoint(olmo, rng, "olmo2")
-    assert token_images(olmo, "m", 1, 0).keys is None and "olmo2" in token_images(olmo, "m", 1, 0).keys_not_bound
+    if k_norm:
+        tensors["model.layers.0.self_attn.k_norm.weight"] = np.ones(3 * HEAD, np.float32)
+        write_safetensors(directory / "model.safetensors", tensors)
+        images = token_images(directory, "m", tp, 0)
+        assert images.keys is None and "k_norm.weight has shape (12,)" in images.keys_not_bound

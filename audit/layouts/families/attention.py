@@ -71,7 +71,7 @@ class VImageRule:
     norm: str | None = "plain"     # ``input_layernorm``: "plain" RMSNorm, "plus_one" (GemmaRMSNorm: 1 + w), None
     embedding_scale: Callable[[dict], float] = lambda config: 1.0
     fused_qkv: bool = False        # the checkpoint holds ``qkv_proj`` (q, k, v rows stacked), not ``v_proj``
-    keys: bool = True              # K is its head's projection (a per-head ``k_norm`` where the checkpoint has one), then RoPE
+    keys: bool = True              # K is its head's projection (and the checkpoint's ``k_norm``), then RoPE
 
 
 # ``llama.py`` and the model types vLLM computes the same way under the same tensor names
@@ -79,7 +79,8 @@ class VImageRule:
 # only; Qwen2's ``qkv_bias`` is added to V); ``gemma*.py``: the embeddings times ``normalizer``
 # (``hidden_size ** 0.5``), a GemmaRMSNorm; ``granite.py``: times ``embedding_multiplier``; ``phi3.py``
 # (a ``LlamaForCausalLM``) loads the fused ``qkv_proj`` whole. OLMo2 has no norm before attention
-# (post-norms only; q/k norms touch q and k): vLLM 0.32 runs it on its Transformers backend.
+# (post-norms only; q/k norms touch q and k, its ``k_norm`` over every KV head): vLLM 0.32 runs it on
+# its Transformers backend.
 _PLAIN = VImageRule()
 _GEMMA = VImageRule(norm="plus_one", embedding_scale=lambda config: config_int(config, "hidden_size") ** 0.5)
 V_IMAGE_RULES = {
@@ -87,7 +88,7 @@ V_IMAGE_RULES = {
     **dict.fromkeys(("gemma", "gemma2", "gemma3", "gemma3_text"), _GEMMA),
     "granite": VImageRule(embedding_scale=lambda config: float(config.get("embedding_multiplier", 1.0))),
     "phi3": VImageRule(fused_qkv=True),
-    "olmo2": VImageRule(norm=None, keys=False),  # its k_norm spans every head: a rank's K needs the others'
+    "olmo2": VImageRule(norm=None),
 }
 
 
@@ -106,7 +107,8 @@ def v_rows(total_kv_heads: int, head_size: int, tp_size: int, tp_rank: int) -> n
 def _v_images(config: dict, checkpoint, model: str, tp_size: int, tp_rank: int) -> TokenImages:
     """Layer 0's V: the token's embedding (scaled), ``input_layernorm``, then ``qkv_proj``'s v rows
     (and bias); rotary embedding and q/k norms touch q and k only, so each token's V, over the rank's
-    KV heads, is an image of the token (`V_IMAGE_RULES`). K is not bound (rotary at the token's position)."""
+    KV heads, is an image of the token (`V_IMAGE_RULES`); K of the rank's first head too, before its
+    rotation (`_k_images`)."""
     model_type = config.get("model_type")
     rule = V_IMAGE_RULES.get(model_type)
     if rule is None:
@@ -144,7 +146,8 @@ def _k_images(config: dict, checkpoint, rule: VImageRule, weight, head_rows, val
     """Layer 0's K of the rank's first KV head before its rotation, and the rotation (``get_rope``
     with the layer's rope parameters; neox pairing, as ``llama.py`` and the other rules' models use):
     the same input as V, ``qkv_proj``'s k rows of that head (``head_rows`` index its V rows in
-    ``v_proj`` alike: K and V heads shard alike), its bias, and a ``k_norm`` over the head."""
+    ``v_proj`` alike: K and V heads shard alike), its bias, and a ``k_norm`` over the head, or over
+    every KV head (OLMo2's: its weight as long as K of every head; vLLM gathers the ranks' K for it)."""
     if not rule.keys:
         raise LayoutError(f"model_type {config.get('model_type')!r}: no layer-0 K rule (not bound)")
     size = head_dim(config)
@@ -165,17 +168,24 @@ def _k_images(config: dict, checkpoint, rule: VImageRule, weight, head_rows, val
         if projection + ".bias" in checkpoint else None
     norm_name = "model.layers.0.self_attn.k_norm.weight"
     head_norm = checkpoint.tensor(norm_name) if norm_name in checkpoint else None
+    norm_heads = None
+    if head_norm is not None and head_norm.shape == (total * size,) and total > 1:  # over every KV head
+        if bias is not None:
+            raise LayoutError(f"{norm_name} spans every KV head of a biased {projection}: K not bound")
+        norm_heads, head_norm = np.ascontiguousarray(tensor[first:first + total * size]), head_norm[rows - first]
     if head_norm is not None and head_norm.shape != (size,):
-        raise LayoutError(f"{norm_name} has shape {head_norm.shape}, not one head's {size}: K not bound")
+        raise LayoutError(f"{norm_name} has shape {head_norm.shape}, neither one head's {size} nor every "
+                          f"KV head's {total * size}: K not bound")
     if head_norm is not None and rule.norm == "plus_one":
         head_norm = 1 + head_norm
     source = {"projection": projection + ".weight (k rows)", "rotary": rotary.describe()}
     if bias is not None:
         source["bias"] = projection + ".bias"
     if head_norm is not None:
-        source["k_norm"] = norm_name + (" (1 + weight)" if rule.norm == "plus_one" else "")
+        source["k_norm"] = norm_name + (" (1 + weight)" if rule.norm == "plus_one" else "") \
+            + (" (over every KV head)" if norm_heads is not None else "")
     return KeyImages(values, np.ascontiguousarray(tensor[rows]), rotary, bias=bias, head_norm=head_norm,
-                     head_eps=float(config.get("rms_norm_eps", 1e-6)), source=source)
+                     head_eps=float(config.get("rms_norm_eps", 1e-6)), norm_heads=norm_heads, source=source)
 
 
 ATTENTION_ONLY = Family("attention", _attention_only, token_images=_v_images)
