@@ -294,4 +294,6 @@ class KeyImages:
         table = np.empty((images.vocab_size, len(self.columns)), dtype=np.float32)
         for first, block in images.embeddings.blocks(TABLE_BLOCK_ROWS):
             table[first:first + len(block)] = self.pre_rotary(images.normed(block))[:, self.columns]
+        if self.rotary.magnitude != 1.0:  # (YaRN turns by cos and sin times its mscale: the table holds K so scaled)
+            table *= np.float32(self.rotary.magnitude)
         return table

@@ -3,9 +3,9 @@
 Layer 0's K of a token is its pre-rotary K turned, in each pair of columns, by the token's position
 times that pair's frequency: K names the position its row was computed at, where V names only the
 token (issue #40). `Rotary` is one model's frequencies and pairing; `rotary_of` reads them from a
-config the way ``get_rope`` does, and refuses the variants whose angle is not position times a
-fixed frequency (YaRN's and LongRoPE's scaled magnitudes, dynamic NTK, M-RoPE), so that a K is never
-judged by the wrong rotation."""
+config the way ``get_rope`` does (YaRN's turn scaled in magnitude too, `Rotary.magnitude`), and
+refuses the variants whose angle is not position times a fixed frequency (LongRoPE's two sets of
+frequencies, M-RoPE's positions per section), so that a K is never judged by the wrong rotation."""
 
 from __future__ import annotations
 
@@ -22,12 +22,14 @@ PROBED_PAIRS = 16  # the pairs of a head a K row is compared on: every frequency
 @dataclass(frozen=True)
 class Rotary:
     """``inv_freq`` (rotary_dim // 2,): each pair's turn per position, as float32 (``_compute_inv_freq``);
-    ``neox``: pair i is columns (i, i + rotary_dim // 2), else (2i, 2i + 1) (GPT-J's interleaving)."""
+    ``neox``: pair i is columns (i, i + rotary_dim // 2), else (2i, 2i + 1) (GPT-J's interleaving);
+    ``magnitude``: what cos and sin are multiplied by (YaRN's ``mscale``; 1 elsewhere)."""
 
     inv_freq: np.ndarray
     rotary_dim: int
     neox: bool = True
     max_position: int = 1 << 20  # positions a key may hold (max_position_embeddings, scaled)
+    magnitude: float = 1.0
 
     def columns(self, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """A head's two columns of each pair in `pairs`."""
@@ -42,7 +44,8 @@ class Rotary:
 
     def describe(self) -> dict:
         """For the report: the rotated columns, the pairs checked and their pairing."""
-        return {"rotary_dim": self.rotary_dim, "pairs": len(self.probed_pairs), "neox": self.neox}
+        described = {"rotary_dim": self.rotary_dim, "pairs": len(self.probed_pairs), "neox": self.neox}
+        return described if self.magnitude == 1.0 else {**described, "magnitude": self.magnitude}
 
     def angles(self, positions: np.ndarray, pairs: np.ndarray) -> np.ndarray:
         """(rows, pairs): each position's angle in each pair, as vLLM's cache holds it (float32
@@ -68,8 +71,8 @@ def rope_parameters(config: dict, layer_kind: str | None = None) -> dict:
 
 
 def rotary_of(config: dict, head_size: int, layer_kind: str | None = None, neox: bool = True) -> Rotary:
-    """One layer's `Rotary` (``get_rope``): the base and rotary dim, and the scalings that change only
-    the frequencies (``default``, ``linear``, ``llama3``); any other is refused (`LayoutError`)."""
+    """One layer's `Rotary` (``get_rope``): the base and rotary dim, and the scalings (``default``,
+    ``linear``, ``llama3``, ``dynamic``, ``yarn``); any other is refused (`LayoutError`)."""
     params = rope_parameters(config, layer_kind)
     kind = params.get("rope_type") or params.get("type") or "default"
     base = float(params.get("rope_theta", 10000.0))
@@ -78,17 +81,73 @@ def rotary_of(config: dict, head_size: int, layer_kind: str | None = None, neox:
         raise LayoutError(f"rotary dim {rotary_dim} of head {head_size}: K not bound")
     if "mrope_section" in params:
         raise LayoutError("M-RoPE (positions per section): K not bound")
-    inv_freq = (1.0 / (np.float32(base) ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)))
-                ).astype(np.float32)
     max_position = int(config.get("max_position_embeddings") or 1 << 20)
+    if kind == "dynamic":  # (``DynamicNTK*RotaryEmbedding``: a base fixed once, from alpha or factor)
+        base = _dynamic_base(base, int(rotary_dim), max_position, params)
+    inv_freq = _inv_freq(base, int(rotary_dim))
+    magnitude = 1.0
     if kind == "linear":  # positions / factor: the same as every frequency / factor
         factor = float(params["factor"])
         inv_freq, max_position = (inv_freq / np.float32(factor)).astype(np.float32), int(max_position * factor)
     elif kind == "llama3":
         inv_freq = _llama3(inv_freq, params)
-    elif kind != "default":
-        raise LayoutError(f"rope_type {kind!r}: K not bound (only default, linear and llama3 rotations are)")
-    return Rotary(inv_freq, int(rotary_dim), neox, max_position)
+    elif kind == "yarn":
+        inv_freq, magnitude, max_position = _yarn(base, int(rotary_dim), params, max_position)
+    elif kind not in ("default", "dynamic"):
+        raise LayoutError(f"rope_type {kind!r}: K not bound (default, linear, llama3, dynamic and yarn rotations are)")
+    return Rotary(inv_freq, int(rotary_dim), neox, max_position, magnitude)
+
+
+def _inv_freq(base: float, rotary_dim: int) -> np.ndarray:
+    """``_compute_inv_freq``: 1 / base^(2i / rotary_dim), in float32."""
+    return (1.0 / (np.float32(base) ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)))
+            ).astype(np.float32)
+
+
+def _dynamic_base(base: float, rotary_dim: int, max_position: int, params: dict) -> float:
+    """The base a dynamic NTK rotation fixes once (vLLM computes its cache once, not per length):
+    ``alpha``'s (Hunyuan) or ``factor``'s over the trained positions (the base itself where those
+    are the model's maximum, as by default)."""
+    exponent = rotary_dim / (rotary_dim - 2)
+    if "alpha" in params:
+        return base * float(params["alpha"]) ** exponent
+    factor = float(params["factor"])
+    trained = float(params.get("max_trained_positions", max_position))
+    return base * (factor * max_position / trained - (factor - 1)) ** exponent
+
+
+def _yarn(base: float, rotary_dim: int, params: dict, max_position: int) -> tuple[np.ndarray, float, int]:
+    """``YaRNScalingRotaryEmbedding``: each frequency blended from its interpolated (/ factor) and its
+    own by a ramp over the pairs between the correction dims of ``beta_fast`` and ``beta_slow``
+    rotations in the original context; cos and sin times ``mscale`` (``attention_factor``, else
+    0.1 ln(factor) + 1, or its ``mscale`` / ``mscale_all_dim`` ratio)."""
+    factor = float(params["factor"])
+    original = float(params.get("original_max_position_embeddings") or max_position)
+    half = rotary_dim // 2
+
+    def correction_dim(rotations: float) -> float:
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(float(params.get("beta_fast", 32))), correction_dim(float(params.get("beta_slow", 1)))
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = np.clip((np.arange(half, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    powers = np.float32(base) ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim))
+    kept = (1 - ramp).astype(np.float32)  # extrapolation's share: 1 for the fast pairs
+    inv_freq = (1.0 / (np.float32(factor) * powers)) * (1 - kept) + (1.0 / powers) * kept
+
+    def mscale(scale: float, weight: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+    if params.get("attention_factor") is not None:
+        magnitude = float(params["attention_factor"])
+    elif params.get("mscale") and params.get("mscale_all_dim"):
+        magnitude = mscale(factor, float(params["mscale"])) / mscale(factor, float(params["mscale_all_dim"]))
+    else:
+        magnitude = mscale(factor)
+    return inv_freq.astype(np.float32), float(magnitude), int(original * factor)
 
 
 def _llama3(inv_freq: np.ndarray, params: dict) -> np.ndarray:

@@ -107,13 +107,17 @@ BINDING_MODELS: dict[str, TinyModel] = {m.name: m for m in [
     TinyModel("jamba-tiny", "jamba", "bfloat16", mamba=True, block_size=None),
 ]}
 # Only in tests/e2e/test_binding_e2e.py (issue #40): attention models whose layer 0 vLLM computes
-# otherwise than Llama's: Qwen2's biased qkv_proj, Gemma 3's normalizer and 1 + w norm (layer 0
-# sliding), Granite's embedding multiplier, Phi-3's fused qkv_proj (TP 2), OLMo2's missing pre-norm (vLLM's
+# otherwise than Llama's: Qwen2's biased qkv_proj (and its K turned by YaRN), Gemma 3's normalizer and 1 + w norm (layer 0
+# sliding), Granite's embedding multiplier (and dynamic NTK rope), Phi-3's fused qkv_proj (TP 2), OLMo2's missing pre-norm (vLLM's
 # Transformers backend). Head dim 64: the CPU attention's.
 ATTENTION_BINDING_MODELS: dict[str, TinyModel] = {m.name: m for m in [
-    TinyModel("qwen2-tiny", "qwen2", "bfloat16", mamba=False, block_size=32, random_biases=True),
+    TinyModel("qwen2-tiny", "qwen2", "bfloat16", mamba=False, block_size=32, random_biases=True,
+              config_args={"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                "original_max_position_embeddings": 1024}}),  # long-context Qwen2's YaRN
     TinyModel("gemma3-tiny", "gemma3_text", "bfloat16", mamba=False, block_size=32),
-    TinyModel("granite-tiny", "granite", "bfloat16", mamba=False, block_size=32),
+    TinyModel("granite-tiny", "granite", "bfloat16", mamba=False, block_size=32,
+              config_args={"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0,
+                                                "max_trained_positions": 2048}}),  # dynamic NTK: another base
     TinyModel("olmo2-tiny", "olmo2", "bfloat16", mamba=False, block_size=32,
               config_args={"num_key_value_heads": 2}),  # its k_norm over both KV heads (one would be per head)
     TinyModel("phi3-tiny-kv2", "phi3", "bfloat16", mamba=False, block_size=32,
@@ -207,12 +211,12 @@ def hf_config(model: TinyModel):
     attention = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                      num_key_value_heads=1, max_position_embeddings=4096, **common)
     if model.family == "qwen2":
-        return t.Qwen2Config(**attention)
+        return t.Qwen2Config(**{**attention, **model.config_args})
     if model.family == "gemma3_text":
         return t.Gemma3TextConfig(**attention, head_dim=64, query_pre_attn_scalar=64, sliding_window=64,
                                   layer_types=["sliding_attention", "full_attention"])
     if model.family == "granite":
-        return t.GraniteConfig(**attention, embedding_multiplier=12.0, attention_multiplier=0.125,
+        return t.GraniteConfig(**{**attention, **model.config_args}, embedding_multiplier=12.0, attention_multiplier=0.125,
                                residual_multiplier=0.22, logits_scaling=8.0)
     if model.family == "phi3":
         return t.Phi3Config(**{**attention, **model.config_args})

@@ -453,3 +453,35 @@ def test_k_images_turned_to_their_positions_are_vllms_k(tmp_path, monkeypatch, m
         write_safetensors(directory / "model.safetensors", tensors)
         images = token_images(directory, "m", tp, 0)
         assert images.keys is None and "k_norm.weight has shape (12,)" in images.keys_not_bound
+
+
+def test_a_yarn_k_is_its_turn_times_mscale_and_binds_at_its_positions(tmp_path, monkeypatch):
+    """YaRN (``YaRNScalingRotaryEmbedding``) multiplies cos and sin by its mscale: the K table holds
+    the head's K so scaled (the same checkpoint's default-rope table times 0.1 ln 4 + 1), and vLLM's
+    K at positions 200-203 binds there; the same K without the scale is 12 % off, beyond the tolerance."""
+    from audit.checks.binding import ROW_TOLERANCE, key_positions
+    from audit.layouts.rotary import rotate
+
+    monkeypatch.setenv("MOONCAKE_AUDIT_CACHE", str(tmp_path / "cache"))
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+    found = {}
+    for name, rope in (("plain", {"rope_type": "default", "rope_theta": 10000.0}), ("yarn", yarn)):
+        tensors = _v_rule_checkpoint(tmp_path / name, np.random.default_rng(10), "llama", {"rope_parameters": rope})
+        tensors["model.layers.0.self_attn.k_proj.weight"] = \
+            np.random.default_rng(11).standard_normal((2 * HEAD, 8)).astype(np.float32)
+        write_safetensors(tmp_path / name / "model.safetensors", tensors)
+        found[name] = token_images(tmp_path / name, "m", 1, 0).keys
+    keys, mscale = found["yarn"], 0.1 * np.log(4.0) + 1
+    assert keys.rotary.magnitude == pytest.approx(mscale)
+    np.testing.assert_allclose(keys.table, found["plain"].table * np.float32(mscale), rtol=1e-6)
+    tokens, positions = [3, 9, 27, 9], np.arange(200, 204)
+    h = tensors["model.embed_tokens.weight"][tokens]
+    n = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + 1e-5) * tensors["model.layers.0.input_layernorm.weight"]
+    k = n @ tensors["model.layers.0.self_attn.k_proj.weight"][:HEAD].T
+    angles = positions[:, None].astype(np.float32) * keys.rotary.inv_freq[None, :]
+    first, second = rotate(k[:, :HEAD // 2], k[:, HEAD // 2:], angles)
+    turned = np.concatenate([first, second], axis=1) * np.float32(mscale)  # vLLM's cache holds cos, sin times mscale
+    start, distances = key_positions(turned, np.array(tokens), keys)
+    assert start == 200 and distances.max() < 1e-4
+    _, unscaled = key_positions(turned / np.float32(mscale), np.array(tokens), keys, 200)
+    assert unscaled.min() > ROW_TOLERANCE

@@ -1,5 +1,6 @@
 """Rotary embeddings as vLLM 0.32 computes them (`audit.layouts.rotary`), held to torch's arithmetic
-of ``RotaryEmbedding`` / ``Llama3RotaryEmbedding`` written out here, and the start decoded back."""
+of ``RotaryEmbedding``, ``Llama3RotaryEmbedding``, ``YaRNScalingRotaryEmbedding`` and the dynamic
+NTK ones written out here, and the start decoded back."""
 
 import math
 
@@ -46,10 +47,55 @@ def test_each_layer_kind_reads_its_own_parameters_and_others_are_refused():
     linear = rotary_of(old, 64)
     np.testing.assert_allclose(linear.inv_freq, _torch_inv_freq(5e5, 64) / 2, rtol=1e-6)
     assert linear.max_position == 200
-    for refused in ({"rope_type": "yarn", "factor": 4.0}, {"rope_type": "default", "mrope_section": [16, 24, 24]},
-                    {"rope_type": "dynamic", "factor": 2.0}):
+    for refused in ({"rope_type": "longrope", "short_factor": [1.0] * 64, "long_factor": [2.0] * 64},
+                    {"rope_type": "default", "mrope_section": [16, 24, 24]}):
         with pytest.raises(LayoutError):
             rotary_of({"rope_parameters": refused}, 128)
+
+
+def _torch_yarn(base: float, rotary_dim: int, factor: float, original: int, beta_fast=32, beta_slow=1):
+    """``YaRNScalingRotaryEmbedding._compute_inv_freq`` (vLLM 0.32), with ``yarn_find_correction_range``
+    and ``yarn_linear_ramp_mask`` written out."""
+    torch = pytest.importorskip("torch")
+
+    def dim(rotations):
+        return (rotary_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = max(math.floor(dim(beta_fast)), 0), min(math.ceil(dim(beta_slow)), rotary_dim - 1)
+    high = high + 0.001 if low == high else high
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim)
+    mask = 1 - torch.clamp((torch.arange(rotary_dim // 2, dtype=torch.float) - low) / (high - low), 0, 1)
+    return ((1.0 / (factor * pos_freqs)) * (1 - mask) + (1.0 / pos_freqs) * mask).numpy()
+
+
+def test_yarn_blends_interpolated_and_own_frequencies_and_scales_the_turn():
+    params = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 32768}
+    rotary = rotary_of({"rope_parameters": params, "max_position_embeddings": 131072}, 128)
+    expected = _torch_yarn(1000000.0, 128, 4.0, 32768)
+    np.testing.assert_allclose(rotary.inv_freq, expected, rtol=2e-7)
+    plain = _torch_inv_freq(1000000.0, 128)
+    assert rotary.inv_freq[0] == pytest.approx(plain[0]) and rotary.inv_freq[-1] == pytest.approx(plain[-1] / 4)
+    assert rotary.magnitude == pytest.approx(0.1 * math.log(4.0) + 1) and rotary.max_position == 131072
+    assert rotary.describe()["magnitude"] == rotary.magnitude
+    given = rotary_of({"rope_parameters": {**params, "attention_factor": 0.5}}, 128)
+    assert given.magnitude == 0.5
+    ratio = rotary_of({"rope_parameters": {**params, "mscale": 1.0, "mscale_all_dim": 0.5}}, 128)
+    assert ratio.magnitude == pytest.approx((0.1 * math.log(4) + 1) / (0.05 * math.log(4) + 1))
+    assert rotary_of({"rope_theta": 1e4}, 64).magnitude == 1.0 and "magnitude" not in rotary_of({}, 64).describe()
+
+
+def test_dynamic_ntk_fixes_one_base():
+    """vLLM computes a dynamic NTK cache once: the base itself where the trained positions are the
+    model's maximum (the default), else ``base * (factor * max / trained - (factor - 1)) ** (d / (d - 2))``;
+    Hunyuan's ``alpha``: ``base * alpha ** (d / (d - 2))``."""
+    plain = rotary_of({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+                       "max_position_embeddings": 4096}, 64)
+    np.testing.assert_allclose(plain.inv_freq, _torch_inv_freq(10000.0, 64), rtol=1e-6)
+    trained = rotary_of({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0,
+                                             "max_trained_positions": 2048}, "max_position_embeddings": 4096}, 64)
+    np.testing.assert_allclose(trained.inv_freq, _torch_inv_freq(10000.0 * 3.0 ** (64 / 62), 64), rtol=1e-6)
+    alpha = rotary_of({"rope_parameters": {"rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 10000.0}}, 128)
+    np.testing.assert_allclose(alpha.inv_freq, _torch_inv_freq(10000.0 * 1000.0 ** (128 / 126), 128), rtol=1e-6)
 
 
 @pytest.mark.parametrize("head, start", [(64, 0), (64, 4096), (128, 123456), (128, 7)])
