@@ -135,32 +135,36 @@ def _distances(checked: np.ndarray, candidates: np.ndarray, images) -> np.ndarra
     return distances
 
 
-def key_positions(k_rows: np.ndarray, tokens: np.ndarray, keys, start: int | None = None) -> tuple[int, np.ndarray]:
+def key_positions(k_rows: np.ndarray, tokens: np.ndarray, keys, start: int | None = None,
+                  rotary=None) -> tuple[int, np.ndarray]:
     """An attention page's layer-0 K rows of one head (rows, head_size), oldest first, against the
     tokens their V rows decoded to (`keys`: `audit.layouts.images.KeyImages`): the position of the
     first row (`start` where given, else decoded: `audit.layouts.rotary.decode_start`), and each
     row's relative distance from its token's K turned to that position plus its row. A healthy
     page's rows are all within ROW_TOLERANCE at consecutive positions from its block's start; K
-    computed at other positions, or of other tokens than its V, are not."""
+    computed at other positions, or of other tokens than its V, are not. `rotary`: the rotation
+    judged under (`keys.rotary` unless given: one of `keys.rotations`)."""
     probed = probed_key_rows(k_rows, keys)
-    tokens = np.asarray(tokens)
+    tokens, rotary = np.asarray(tokens), rotary or keys.rotary
     if start is None:
-        start = decode_start(probed.view(np.complex64), keys.turned[tokens], keys.rotary, keys.pairs)
-    return start, key_distances(probed, tokens, start + np.arange(len(k_rows)), keys)
+        start = decode_start(probed.view(np.complex64), keys.turned[tokens], rotary, keys.pairs)
+    return start, key_distances(probed, tokens, start + np.arange(len(k_rows)), keys, rotary)
 
 
 def placed_keys(readings, tokens: np.ndarray, keys, start: int | None, block: int) -> tuple[bool, tuple]:
-    """Whether a page's K rows, under any of their `readings` (the ways they may lie), are its
-    tokens' K at consecutive positions from `start` (None: from a multiple of `block`); and the
-    likeliest reading's (rows, start, distances), the evidence where none is."""
+    """Whether a page's K rows, under any of their `readings` (the ways they may lie) and any of the
+    rotations they may be turned by (`keys.rotations`), are its tokens' K at consecutive positions
+    from `start` (None: from a multiple of `block`); and the likeliest reading's (rows, start,
+    distances), the evidence where none is."""
     best = None
     for rows in readings:
         rows = rows[:len(tokens)]
-        found, distances = key_positions(rows, tokens, keys, start)
-        if (distances <= ROW_TOLERANCE).all() and (start is not None or found % block == 0):
-            return True, (rows, found, distances)
-        if best is None or distances.max() < best[2].max():
-            best = (rows, found, distances)
+        for rotary in keys.rotations:
+            found, distances = key_positions(rows, tokens, keys, start, rotary)
+            if (distances <= ROW_TOLERANCE).all() and (start is not None or found % block == 0):
+                return True, (rows, found, distances)
+            if best is None or distances.max() < best[2].max():
+                best = (rows, found, distances)
     return False, best
 
 
@@ -169,13 +173,18 @@ def probed_key_rows(k_rows: np.ndarray, keys) -> np.ndarray:
     return np.ascontiguousarray(k_rows[:, keys.columns], dtype=np.float32)
 
 
-def key_distances(probed: np.ndarray, tokens: np.ndarray, positions: np.ndarray, keys) -> np.ndarray:
+def key_distances(probed: np.ndarray, tokens: np.ndarray, positions: np.ndarray, keys, rotary=None) -> np.ndarray:
     """Each K row (on the table's columns: `probed_key_rows`, any pages' rows together) against its
-    token's K turned to its position, each pair one complex number turned by one product: relative
+    token's K turned to its position by `rotary` (`keys.rotary` unless given), each pair one complex
+    number turned by one product (times the rotation's magnitude: YaRN's, LongRoPE's): relative
     distance (infinite for a row with NaN or Inf)."""
-    missed = probed.view(np.complex64) - keys.turned[tokens] * _turns(keys.rotary.angles(positions, keys.pairs))
+    rotary = rotary or keys.rotary
+    missed = probed.view(np.complex64) - keys.turned[tokens] * _turns(rotary.angles(positions, keys.pairs),
+                                                                      rotary.magnitude)
     miss = np.square(missed.view(np.float32)).sum(axis=1)
-    distances = np.sqrt(miss / np.maximum(keys.table_squares[tokens], _TINY))
+    squares = keys.table_squares[tokens] if rotary.magnitude == 1.0 else \
+        keys.table_squares[tokens] * np.float32(rotary.magnitude ** 2)
+    distances = np.sqrt(miss / np.maximum(squares, _TINY))
     return np.where(np.isnan(distances), np.inf, distances)
 
 
@@ -188,10 +197,13 @@ def pages_keys_fit(probed: list[np.ndarray], tokens: list[np.ndarray], positions
     return np.logical_and.reduceat(near, np.cumsum(counts) - counts).tolist()
 
 
-def _turns(angles: np.ndarray) -> np.ndarray:
-    """cos + i sin of float32 angles as complex64, written in place (a complex exp costs five times as much)."""
+def _turns(angles: np.ndarray, magnitude: float = 1.0) -> np.ndarray:
+    """(cos + i sin) times `magnitude` of float32 angles as complex64, written in place (a complex exp
+    costs five times as much)."""
     turns = np.empty(angles.shape, np.complex64)
     parts = turns.view(np.float32).reshape(*angles.shape, 2)
     np.cos(angles, out=parts[..., 0])
     np.sin(angles, out=parts[..., 1])
+    if magnitude != 1.0:
+        parts *= np.float32(magnitude)
     return turns

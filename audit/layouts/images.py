@@ -245,11 +245,17 @@ class KeyImages:
     head_norm: np.ndarray | None = None  # (head_size,): the k_norm's weight (already 1 + w for a Gemma norm)
     head_eps: float = 1e-6
     norm_heads: np.ndarray | None = None  # (every KV head's size, hidden): K's rows whose mean square the norm takes
+    other_rotations: tuple = ()      # the other `Rotary`s K may be turned by (LongRoPE's short factors)
     source: dict = field(default_factory=dict)  # which tensors and rotation, for the report
 
     @cached_property
     def pairs(self) -> np.ndarray:
         return self.rotary.probed_pairs
+
+    @property
+    def rotations(self) -> tuple:
+        """Every rotation a page's K is judged under, the likeliest (`rotary`) first."""
+        return (self.rotary, *self.other_rotations)
 
     @cached_property
     def columns(self) -> np.ndarray:
@@ -294,6 +300,4 @@ class KeyImages:
         table = np.empty((images.vocab_size, len(self.columns)), dtype=np.float32)
         for first, block in images.embeddings.blocks(TABLE_BLOCK_ROWS):
             table[first:first + len(block)] = self.pre_rotary(images.normed(block))[:, self.columns]
-        if self.rotary.magnitude != 1.0:  # (YaRN turns by cos and sin times its mscale: the table holds K so scaled)
-            table *= np.float32(self.rotary.magnitude)
         return table

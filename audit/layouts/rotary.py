@@ -3,9 +3,9 @@
 Layer 0's K of a token is its pre-rotary K turned, in each pair of columns, by the token's position
 times that pair's frequency: K names the position its row was computed at, where V names only the
 token (issue #40). `Rotary` is one model's frequencies and pairing; `rotary_of` reads them from a
-config the way ``get_rope`` does (YaRN's turn scaled in magnitude too, `Rotary.magnitude`), and
-refuses the variants whose angle is not position times a fixed frequency (LongRoPE's two sets of
-frequencies, M-RoPE's positions per section), so that a K is never judged by the wrong rotation."""
+config the way ``get_rope`` does (YaRN's and LongRoPE's turns scaled in magnitude too,
+`Rotary.magnitude`; LongRoPE's two sets of frequencies, `rotations_of`), and refuses M-RoPE (its
+positions per section), so that a K is never judged by the wrong rotation."""
 
 from __future__ import annotations
 
@@ -23,13 +23,15 @@ PROBED_PAIRS = 16  # the pairs of a head a K row is compared on: every frequency
 class Rotary:
     """``inv_freq`` (rotary_dim // 2,): each pair's turn per position, as float32 (``_compute_inv_freq``);
     ``neox``: pair i is columns (i, i + rotary_dim // 2), else (2i, 2i + 1) (GPT-J's interleaving);
-    ``magnitude``: what cos and sin are multiplied by (YaRN's ``mscale``; 1 elsewhere)."""
+    ``magnitude``: what cos and sin are multiplied by (YaRN's and LongRoPE's ``mscale``; 1 elsewhere);
+    ``variant``: which of a model's rotations it is, where it has more than one (LongRoPE's)."""
 
     inv_freq: np.ndarray
     rotary_dim: int
     neox: bool = True
     max_position: int = 1 << 20  # positions a key may hold (max_position_embeddings, scaled)
     magnitude: float = 1.0
+    variant: str = ""
 
     def columns(self, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """A head's two columns of each pair in `pairs`."""
@@ -45,7 +47,9 @@ class Rotary:
     def describe(self) -> dict:
         """For the report: the rotated columns, the pairs checked and their pairing."""
         described = {"rotary_dim": self.rotary_dim, "pairs": len(self.probed_pairs), "neox": self.neox}
-        return described if self.magnitude == 1.0 else {**described, "magnitude": self.magnitude}
+        if self.magnitude != 1.0:
+            described["magnitude"] = self.magnitude
+        return {**described, "variant": self.variant} if self.variant else described
 
     def angles(self, positions: np.ndarray, pairs: np.ndarray) -> np.ndarray:
         """(rows, pairs): each position's angle in each pair, as vLLM's cache holds it (float32
@@ -70,17 +74,23 @@ def rope_parameters(config: dict, layer_kind: str | None = None) -> dict:
     return found
 
 
+def rotations_of(config: dict, head_size: int, layer_kind: str | None = None) -> tuple[Rotary, ...]:
+    """Every rotation a layer's K may have been turned by, the likeliest first: `rotary_of`'s one, or
+    LongRoPE's two (``Phi3LongRoPEScaledRotaryEmbedding`` turns by its long factors where the engine's
+    ``max_model_len`` exceeds the original context, as by default, else by its short ones: the
+    engine's setting, not the checkpoint's)."""
+    params = rope_parameters(config, layer_kind)
+    if (params.get("rope_type") or params.get("type")) in ("longrope", "su"):
+        return _longrope(config, params, head_size)
+    return (rotary_of(config, head_size, layer_kind),)
+
+
 def rotary_of(config: dict, head_size: int, layer_kind: str | None = None, neox: bool = True) -> Rotary:
     """One layer's `Rotary` (``get_rope``): the base and rotary dim, and the scalings (``default``,
     ``linear``, ``llama3``, ``dynamic``, ``yarn``); any other is refused (`LayoutError`)."""
     params = rope_parameters(config, layer_kind)
     kind = params.get("rope_type") or params.get("type") or "default"
-    base = float(params.get("rope_theta", 10000.0))
-    rotary_dim = params.get("rope_dim") or int(head_size * float(params.get("partial_rotary_factor", 1.0)))
-    if not 2 <= rotary_dim <= head_size or rotary_dim % 2:
-        raise LayoutError(f"rotary dim {rotary_dim} of head {head_size}: K not bound")
-    if "mrope_section" in params:
-        raise LayoutError("M-RoPE (positions per section): K not bound")
+    base, rotary_dim = float(params.get("rope_theta", 10000.0)), _rotary_dim(params, head_size)
     max_position = int(config.get("max_position_embeddings") or 1 << 20)
     if kind == "dynamic":  # (``DynamicNTK*RotaryEmbedding``: a base fixed once, from alpha or factor)
         base = _dynamic_base(base, int(rotary_dim), max_position, params)
@@ -94,8 +104,40 @@ def rotary_of(config: dict, head_size: int, layer_kind: str | None = None, neox:
     elif kind == "yarn":
         inv_freq, magnitude, max_position = _yarn(base, int(rotary_dim), params, max_position)
     elif kind not in ("default", "dynamic"):
-        raise LayoutError(f"rope_type {kind!r}: K not bound (default, linear, llama3, dynamic and yarn rotations are)")
+        raise LayoutError(f"rope_type {kind!r}: K not bound (default, linear, llama3, dynamic, yarn and "
+                          f"longrope rotations are)")
     return Rotary(inv_freq, int(rotary_dim), neox, max_position, magnitude)
+
+
+def _rotary_dim(params: dict, head_size: int) -> int:
+    """The rotated columns of a head (``rope_dim``, or ``partial_rotary_factor`` of it); M-RoPE refused."""
+    rotary_dim = params.get("rope_dim") or int(head_size * float(params.get("partial_rotary_factor", 1.0)))
+    if not 2 <= rotary_dim <= head_size or rotary_dim % 2:
+        raise LayoutError(f"rotary dim {rotary_dim} of head {head_size}: K not bound")
+    if "mrope_section" in params:
+        raise LayoutError("M-RoPE (positions per section): K not bound")
+    return int(rotary_dim)
+
+
+def _longrope(config: dict, params: dict, head_size: int) -> tuple[Rotary, Rotary]:
+    """LongRoPE's long and short rotations: each pair's frequency divided by its factor, cos and sin
+    times ``long_mscale`` / ``short_mscale``, by default sqrt(1 + ln(max / original) / ln(original))."""
+    base, rotary_dim = float(params.get("rope_theta", 10000.0)), _rotary_dim(params, head_size)
+    max_position = int(config.get("max_position_embeddings") or 1 << 20)
+    original = int(params.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+                   or max_position)
+    scale = max_position / original
+    default = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+    plain = np.float32(base) ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim))
+    found = []
+    for variant, positions in (("long", max_position), ("short", original)):
+        factors = np.asarray(params[f"{variant}_factor"], dtype=np.float32)
+        if factors.shape != (rotary_dim // 2,):
+            raise LayoutError(f"longrope {variant}_factor of {factors.size}, not {rotary_dim // 2}: K not bound")
+        magnitude = float(params.get(f"{variant}_mscale") or default)
+        found.append(Rotary((1.0 / (factors * plain)).astype(np.float32), rotary_dim, True, positions, magnitude,
+                            f"longrope {variant} factors"))
+    return found[0], found[1]
 
 
 def _inv_freq(base: float, rotary_dim: int) -> np.ndarray:

@@ -108,7 +108,7 @@ BINDING_MODELS: dict[str, TinyModel] = {m.name: m for m in [
 ]}
 # Only in tests/e2e/test_binding_e2e.py (issue #40): attention models whose layer 0 vLLM computes
 # otherwise than Llama's: Qwen2's biased qkv_proj (and its K turned by YaRN), Gemma 3's normalizer and 1 + w norm (layer 0
-# sliding), Granite's embedding multiplier (and dynamic NTK rope), Phi-3's fused qkv_proj (TP 2), OLMo2's missing pre-norm (vLLM's
+# sliding), Granite's embedding multiplier (and dynamic NTK rope), Phi-3's fused qkv_proj (TP 2, LongRoPE), OLMo2's missing pre-norm (vLLM's
 # Transformers backend). Head dim 64: the CPU attention's.
 ATTENTION_BINDING_MODELS: dict[str, TinyModel] = {m.name: m for m in [
     TinyModel("qwen2-tiny", "qwen2", "bfloat16", mamba=False, block_size=32, random_biases=True,
@@ -121,7 +121,13 @@ ATTENTION_BINDING_MODELS: dict[str, TinyModel] = {m.name: m for m in [
     TinyModel("olmo2-tiny", "olmo2", "bfloat16", mamba=False, block_size=32,
               config_args={"num_key_value_heads": 2}),  # its k_norm over both KV heads (one would be per head)
     TinyModel("phi3-tiny-kv2", "phi3", "bfloat16", mamba=False, block_size=32,
-              config_args={"num_key_value_heads": 2}),  # served at TP 2: a KV head a rank
+              config_args={"num_key_value_heads": 2,  # served at TP 2: a KV head a rank
+                           # Phi-3's long-context LongRoPE: max_model_len 2048 > 1,024, so its long factors
+                           "original_max_position_embeddings": 1024,  # (transformers copies it into the rope's)
+                           "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                               "original_max_position_embeddings": 1024,
+                                               "short_factor": [1.0 + i / 64 for i in range(32)],
+                                               "long_factor": [1.0 + i / 2 for i in range(32)]}}),
 ]}
 ALL_MODELS: dict[str, TinyModel] = {**MODELS, **TP2_MODELS, **NEW_FAMILY_MODELS, **LAYOUT_30_MODELS, **BINDING_MODELS,
                                     **ATTENTION_BINDING_MODELS}

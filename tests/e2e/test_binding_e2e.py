@@ -344,7 +344,7 @@ def test_every_attention_keys_layer0_v_rows_are_the_images_of_its_own_blocks_tok
     values = _values(result.config, result.keys)
     held = _layer0_kv_keys(result)
     assert {harness.key_fields(key)["group"] for key in held} == {harness.key_fields(key)["group"] for key in held[:1]}
-    worst, ranks, worst_k = 0.0, set(), None
+    worst, ranks, worst_k, rotations = 0.0, set(), None, set()
     for key in held:
         fields = harness.key_fields(key)
         assert fields["hash"] in named, f"{key}: its hash is none of the prompts' block hashes"
@@ -362,12 +362,17 @@ def test_every_attention_keys_layer0_v_rows_are_the_images_of_its_own_blocks_tok
         worst, ranks = max(worst, _images_of(rows, tokens, images, result.case.exact, key)), ranks | {fields["tp_rank"]}
         if images.keys is not None:  # K: the tokens' K turned to the block's own positions, (dim, tokens) a head
             k_rows = numbers.reshape(images.columns // 64, 2, 64, block)[images.keys.head, 0].T
-            start, distances = key_positions(k_rows, np.asarray(tokens), images.keys)
+            (start, distances), rotary = min(((key_positions(k_rows, np.asarray(tokens), images.keys, rotary=rotary),
+                                               rotary) for rotary in images.keys.rotations),
+                                             key=lambda found: found[0][1].max())
             assert start == (k - 1) * block and distances.max() <= result.case.exact, (key, start, distances.max())
+            rotations.add(rotary.variant or "the one")
             worst_k = max(worst_k or 0.0, float(distances.max()))
     observed[name] = {"keys": len(result.keys), "keys_holding_layer0": len(held), "block_size": result.block,
                       "tp_ranks": sorted(ranks), "worst_row_distance": worst, "kv_dtype": region["dtype"],
-                      **({"worst_k_row_distance": worst_k} if worst_k is not None else {})}
+                      **({"worst_k_row_distance": worst_k, "k_rotations": sorted(rotations)} if worst_k is not None else {})}
+    if name == "phi3-kv2-tp2":  # LongRoPE: max_model_len 2048 over an original 1,024 turns by the long factors
+        assert rotations == {"longrope long factors"}, rotations
     assert held and ranks == set(range(result.case.tp))
     assert (worst_k is not None) == (name in K_BOUND_CASES), images.keys_not_bound
 

@@ -455,33 +455,74 @@ def test_k_images_turned_to_their_positions_are_vllms_k(tmp_path, monkeypatch, m
         assert images.keys is None and "k_norm.weight has shape (12,)" in images.keys_not_bound
 
 
-def test_a_yarn_k_is_its_turn_times_mscale_and_binds_at_its_positions(tmp_path, monkeypatch):
-    """YaRN (``YaRNScalingRotaryEmbedding``) multiplies cos and sin by its mscale: the K table holds
-    the head's K so scaled (the same checkpoint's default-rope table times 0.1 ln 4 + 1), and vLLM's
-    K at positions 200-203 binds there; the same K without the scale is 12 % off, beyond the tolerance."""
-    from audit.checks.binding import ROW_TOLERANCE, key_positions
+def _turned_by_vllm(tensors: dict, tokens: list[int], positions: np.ndarray, inv_freq: np.ndarray,
+                    mscale: float) -> np.ndarray:
+    """The tiny Llama's first KV head's K at `positions`, turned as vLLM's cache does (neox pairs;
+    cos and sin times `mscale`: YaRN's, LongRoPE's)."""
     from audit.layouts.rotary import rotate
+
+    h = tensors["model.embed_tokens.weight"][tokens]
+    n = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + 1e-5) * tensors["model.layers.0.input_layernorm.weight"]
+    k = n @ tensors["model.layers.0.self_attn.k_proj.weight"][:HEAD].T
+    angles = positions[:, None].astype(np.float32) * inv_freq[None, :]
+    first, second = rotate(k[:, :HEAD // 2], k[:, HEAD // 2:], angles)
+    return np.concatenate([first, second], axis=1) * np.float32(mscale)
+
+
+def _k_checkpoint(directory, rope: dict) -> dict:
+    tensors = _v_rule_checkpoint(directory, np.random.default_rng(10), "llama",
+                                 {"rope_parameters": rope, "max_position_embeddings": 256})
+    tensors["model.layers.0.self_attn.k_proj.weight"] = \
+        np.random.default_rng(11).standard_normal((2 * HEAD, 8)).astype(np.float32)
+    write_safetensors(directory / "model.safetensors", tensors)
+    return tensors
+
+
+def test_a_yarn_k_is_its_turn_times_mscale_and_binds_at_its_positions(tmp_path, monkeypatch):
+    """YaRN (``YaRNScalingRotaryEmbedding``) multiplies cos and sin by its mscale (0.1 ln 4 + 1): the K
+    table is the head's K before any turn (the same checkpoint's under the default rope), vLLM's K at
+    positions 200-203 binds there, and the same K without the scale is 12 % off, beyond the tolerance."""
+    from audit.checks.binding import ROW_TOLERANCE, key_positions
 
     monkeypatch.setenv("MOONCAKE_AUDIT_CACHE", str(tmp_path / "cache"))
     yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
     found = {}
     for name, rope in (("plain", {"rope_type": "default", "rope_theta": 10000.0}), ("yarn", yarn)):
-        tensors = _v_rule_checkpoint(tmp_path / name, np.random.default_rng(10), "llama", {"rope_parameters": rope})
-        tensors["model.layers.0.self_attn.k_proj.weight"] = \
-            np.random.default_rng(11).standard_normal((2 * HEAD, 8)).astype(np.float32)
-        write_safetensors(tmp_path / name / "model.safetensors", tensors)
+        tensors = _k_checkpoint(tmp_path / name, rope)
         found[name] = token_images(tmp_path / name, "m", 1, 0).keys
     keys, mscale = found["yarn"], 0.1 * np.log(4.0) + 1
-    assert keys.rotary.magnitude == pytest.approx(mscale)
-    np.testing.assert_allclose(keys.table, found["plain"].table * np.float32(mscale), rtol=1e-6)
+    assert keys.rotary.magnitude == pytest.approx(mscale) and keys.rotations == (keys.rotary,)
+    np.testing.assert_array_equal(keys.table, found["plain"].table)
     tokens, positions = [3, 9, 27, 9], np.arange(200, 204)
-    h = tensors["model.embed_tokens.weight"][tokens]
-    n = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + 1e-5) * tensors["model.layers.0.input_layernorm.weight"]
-    k = n @ tensors["model.layers.0.self_attn.k_proj.weight"][:HEAD].T
-    angles = positions[:, None].astype(np.float32) * keys.rotary.inv_freq[None, :]
-    first, second = rotate(k[:, :HEAD // 2], k[:, HEAD // 2:], angles)
-    turned = np.concatenate([first, second], axis=1) * np.float32(mscale)  # vLLM's cache holds cos, sin times mscale
+    turned = _turned_by_vllm(tensors, tokens, positions, keys.rotary.inv_freq, mscale)
     start, distances = key_positions(turned, np.array(tokens), keys)
     assert start == 200 and distances.max() < 1e-4
     _, unscaled = key_positions(turned / np.float32(mscale), np.array(tokens), keys, 200)
     assert unscaled.min() > ROW_TOLERANCE
+
+
+def test_a_longrope_k_binds_under_its_long_or_its_short_factors(tmp_path, monkeypatch):
+    """LongRoPE (``Phi3LongRoPEScaledRotaryEmbedding``) turns by its long factors where the engine's
+    max_model_len exceeds the original context, else by its short ones, cos and sin times
+    sqrt(1 + ln(256 / 64) / ln 64): a page binds under either (`placed_keys`), the long first."""
+    from audit.checks.binding import key_positions, placed_keys
+
+    monkeypatch.setenv("MOONCAKE_AUDIT_CACHE", str(tmp_path / "cache"))
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+            "short_factor": [1.0, 1.5], "long_factor": [3.0, 40.0]}
+    tensors = _k_checkpoint(tmp_path / "phi", rope)
+    keys = token_images(tmp_path / "phi", "m", 1, 0).keys
+    mscale = np.sqrt(1 + np.log(256 / 64) / np.log(64))
+    assert [r.variant for r in keys.rotations] == ["longrope long factors", "longrope short factors"]
+    assert [r.magnitude for r in keys.rotations] == pytest.approx([mscale, mscale])
+    plain = 1.0 / (np.float32(10000.0) ** (np.arange(0, HEAD, 2, dtype=np.float32) / HEAD))
+    tokens, positions = np.array([3, 9, 27, 9]), np.arange(96, 100)
+    for rotary, factors in zip(keys.rotations, ([3.0, 40.0], [1.0, 1.5])):
+        np.testing.assert_allclose(rotary.inv_freq, plain / np.array(factors, np.float32), rtol=1e-6)
+        turned = _turned_by_vllm(tensors, list(tokens), positions, rotary.inv_freq, mscale)
+        placed, (_, start, distances) = placed_keys(iter([turned]), tokens, keys, 96, 32)
+        assert placed and start == 96 and distances.max() < 1e-4
+        if rotary is keys.rotations[1]:  # the short ones: not under the long rotation alone
+            assert key_positions(turned, tokens, keys, 96)[1].max() > 0.05
+    moved = _turned_by_vllm(tensors, list(tokens), positions + 1, keys.rotary.inv_freq, mscale)
+    assert not placed_keys(iter([moved]), tokens, keys, 96, 32)[0]

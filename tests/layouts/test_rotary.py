@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from audit.layouts import LayoutError
-from audit.layouts.rotary import decode_start, rope_parameters, rotary_of, rotate
+from audit.layouts.rotary import decode_start, rope_parameters, rotary_of, rotate, rotations_of
 
 
 def _torch_inv_freq(base: float, rotary_dim: int) -> np.ndarray:
@@ -47,10 +47,11 @@ def test_each_layer_kind_reads_its_own_parameters_and_others_are_refused():
     linear = rotary_of(old, 64)
     np.testing.assert_allclose(linear.inv_freq, _torch_inv_freq(5e5, 64) / 2, rtol=1e-6)
     assert linear.max_position == 200
-    for refused in ({"rope_type": "longrope", "short_factor": [1.0] * 64, "long_factor": [2.0] * 64},
-                    {"rope_type": "default", "mrope_section": [16, 24, 24]}):
-        with pytest.raises(LayoutError):
-            rotary_of({"rope_parameters": refused}, 128)
+    with pytest.raises(LayoutError, match="M-RoPE"):
+        rotary_of({"rope_parameters": {"rope_type": "default", "mrope_section": [16, 24, 24]}}, 128)
+    with pytest.raises(LayoutError, match="long_factor of 3, not 64"):
+        rotations_of({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 64,
+                                          "long_factor": [1.0] * 3, "original_max_position_embeddings": 4096}}, 128)
 
 
 def _torch_yarn(base: float, rotary_dim: int, factor: float, original: int, beta_fast=32, beta_slow=1):

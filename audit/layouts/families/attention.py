@@ -18,7 +18,7 @@ from ..hf_config import config_int, first_int, head_dim, layer_kinds
 from ..hybrid import ATTENTION, SLIDING
 from ..images import KeyImages, TokenImages
 from ..model import Layout, LayoutError
-from ..rotary import rotary_of
+from ..rotary import rotations_of
 from .base import Family, Options, build_layouts
 
 ATTENTION_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mistral", "mixtral",
@@ -153,7 +153,7 @@ def _k_images(config: dict, checkpoint, rule: VImageRule, weight, head_rows, val
     size = head_dim(config)
     layer_kind = "sliding_attention" if _attention_kinds(config, str(config.get("model_type")))[0] == SLIDING \
         else "full_attention"
-    rotary = rotary_of(config, size, layer_kind)
+    rotations = rotations_of(config, size, layer_kind)
     total = first_int(config, "num_key_value_heads", "num_attention_heads")
     if rule.fused_qkv:
         projection, first = "model.layers.0.self_attn.qkv_proj", weight.shape[0] - 2 * total * size
@@ -178,14 +178,17 @@ def _k_images(config: dict, checkpoint, rule: VImageRule, weight, head_rows, val
                           f"KV head's {total * size}: K not bound")
     if head_norm is not None and rule.norm == "plus_one":
         head_norm = 1 + head_norm
-    source = {"projection": projection + ".weight (k rows)", "rotary": rotary.describe()}
+    source = {"projection": projection + ".weight (k rows)", "rotary": rotations[0].describe()}
+    if len(rotations) > 1:
+        source["other_rotations"] = [rotary.describe() for rotary in rotations[1:]]
     if bias is not None:
         source["bias"] = projection + ".bias"
     if head_norm is not None:
         source["k_norm"] = norm_name + (" (1 + weight)" if rule.norm == "plus_one" else "") \
             + (" (over every KV head)" if norm_heads is not None else "")
-    return KeyImages(values, np.ascontiguousarray(tensor[rows]), rotary, bias=bias, head_norm=head_norm,
-                     head_eps=float(config.get("rms_norm_eps", 1e-6)), norm_heads=norm_heads, source=source)
+    return KeyImages(values, np.ascontiguousarray(tensor[rows]), rotations[0], bias=bias, head_norm=head_norm,
+                     head_eps=float(config.get("rms_norm_eps", 1e-6)), norm_heads=norm_heads,
+                     other_rotations=rotations[1:], source=source)
 
 
 ATTENTION_ONLY = Family("attention", _attention_only, token_images=_v_images)
