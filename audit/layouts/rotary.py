@@ -87,14 +87,15 @@ def rotations_of(config: dict, head_size: int, layer_kind: str | None = None) ->
 
 def rotary_of(config: dict, head_size: int, layer_kind: str | None = None, neox: bool = True) -> Rotary:
     """One layer's `Rotary` (``get_rope``): the base and rotary dim, and the scalings (``default``,
-    ``linear``, ``llama3``, ``dynamic``, ``yarn``); any other is refused (`LayoutError`)."""
+    ``linear``, ``llama3``, ``dynamic``, ``yarn``); any other is refused (`LayoutError`; LongRoPE's two
+    rotations are `rotations_of`'s)."""
     params = rope_parameters(config, layer_kind)
     kind = params.get("rope_type") or params.get("type") or "default"
     base, rotary_dim = float(params.get("rope_theta", 10000.0)), _rotary_dim(params, head_size)
     max_position = int(config.get("max_position_embeddings") or 1 << 20)
     if kind == "dynamic":  # (``DynamicNTK*RotaryEmbedding``: a base fixed once, from alpha or factor)
-        base = _dynamic_base(base, int(rotary_dim), max_position, params)
-    inv_freq = _inv_freq(base, int(rotary_dim))
+        base = _dynamic_base(base, rotary_dim, max_position, params)
+    inv_freq = _inv_freq(base, rotary_dim)
     magnitude = 1.0
     if kind == "linear":  # positions / factor: the same as every frequency / factor
         factor = float(params["factor"])
@@ -102,11 +103,11 @@ def rotary_of(config: dict, head_size: int, layer_kind: str | None = None, neox:
     elif kind == "llama3":
         inv_freq = _llama3(inv_freq, params)
     elif kind == "yarn":
-        inv_freq, magnitude, max_position = _yarn(base, int(rotary_dim), params, max_position)
+        inv_freq, magnitude, max_position = _yarn(base, rotary_dim, params, max_position)
     elif kind not in ("default", "dynamic"):
         raise LayoutError(f"rope_type {kind!r}: K not bound (default, linear, llama3, dynamic, yarn and "
                           f"longrope rotations are)")
-    return Rotary(inv_freq, int(rotary_dim), neox, max_position, magnitude)
+    return Rotary(inv_freq, rotary_dim, neox, max_position, magnitude)
 
 
 def _rotary_dim(params: dict, head_size: int) -> int:
