@@ -130,7 +130,7 @@ def _later_readings(data: np.ndarray, geometry: Layer0Rows, filled: int | None, 
 KEY_ROWS = 4  # of a page's filled rows, the guards compare this many K rows (its first and last among them)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PageGather:
     """What the guards gather of an attention page in one `take`: its first `filled` V rows on the
     images' check columns, then KEY_ROWS of its K rows (`rows`) on the K table's columns, as the CPU
@@ -199,7 +199,7 @@ class StateBinder:
         self.building: threading.Thread | None = None  # the thread building the images (joined by tests)
         self._refreshed = -REFRESH_S
         self._gathers: dict[int, tuple] = {}  # each group's (Layer0Rows, `row_elements`, raw number dtype)
-        self._pages: dict[tuple[int, int], PageGather] = {}  # (group, rows filled) -> what its pages' gather
+        self._pages: dict[tuple[int, int], PageGather] = {}  # (group, rows filled) -> what its pages give up
         self._gathers_of = None  # the images those were made for (`describe` clears them too)
 
     def describe(self, document: dict, *, background: bool = True) -> threading.Thread | None:

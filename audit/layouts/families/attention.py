@@ -71,7 +71,6 @@ class VImageRule:
     norm: str | None = "plain"     # ``input_layernorm``: "plain" RMSNorm, "plus_one" (GemmaRMSNorm: 1 + w), None
     embedding_scale: Callable[[dict], float] = lambda config: 1.0
     fused_qkv: bool = False        # the checkpoint holds ``qkv_proj`` (q, k, v rows stacked), not ``v_proj``
-    keys: bool = True              # K is its head's projection (and the checkpoint's ``k_norm``), then RoPE
 
 
 # ``llama.py`` and the model types vLLM computes the same way under the same tensor names
@@ -148,8 +147,6 @@ def _k_images(config: dict, checkpoint, rule: VImageRule, weight, head_rows, val
     the same input as V, ``qkv_proj``'s k rows of that head (``head_rows`` index its V rows in
     ``v_proj`` alike: K and V heads shard alike), its bias, and a ``k_norm`` over the head, or over
     every KV head (OLMo2's: its weight as long as K of every head; vLLM gathers the ranks' K for it)."""
-    if not rule.keys:
-        raise LayoutError(f"model_type {config.get('model_type')!r}: no layer-0 K rule (not bound)")
     size = head_dim(config)
     layer_kind = "sliding_attention" if _attention_kinds(config, str(config.get("model_type")))[0] == SLIDING \
         else "full_attention"
