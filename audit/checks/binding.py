@@ -178,22 +178,33 @@ def key_distances(probed: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
     token's K turned to its position by `rotary` (`keys.rotary` unless given), each pair one complex
     number turned by one product (times the rotation's magnitude: YaRN's, LongRoPE's): relative
     distance (infinite for a row with NaN or Inf)."""
-    rotary = rotary or keys.rotary
+    miss, squares = _key_misses(probed, tokens, positions, keys, rotary or keys.rotary)
+    distances = np.sqrt(miss / squares)
+    return np.where(np.isnan(distances), np.inf, distances)
+
+
+def keys_fit(probed: np.ndarray, tokens: np.ndarray, positions: np.ndarray, keys) -> np.ndarray:
+    """Whether each K row is within ROW_TOLERANCE of its token's K at its position under `keys.rotary`
+    (`key_distances` without the distances; a row with NaN or Inf is not)."""
+    miss, squares = _key_misses(probed, tokens, positions, keys, keys.rotary)
+    return miss <= squares * np.float32(ROW_TOLERANCE ** 2)
+
+
+def _key_misses(probed: np.ndarray, tokens: np.ndarray, positions: np.ndarray, keys, rotary) -> tuple:
+    """Each row's squared distance from its token's K turned to its position, and that K's squared norm."""
     missed = probed.view(np.complex64) - keys.turned[tokens] * _turns(rotary.angles(positions, keys.pairs),
                                                                       rotary.magnitude)
-    miss = np.square(missed.view(np.float32)).sum(axis=1)
     squares = keys.table_squares[tokens] if rotary.magnitude == 1.0 else \
         keys.table_squares[tokens] * np.float32(rotary.magnitude ** 2)
-    distances = np.sqrt(miss / np.maximum(squares, _TINY))
-    return np.where(np.isnan(distances), np.inf, distances)
+    return np.square(missed.view(np.float32)).sum(axis=1), np.maximum(squares, _TINY)
 
 
 def pages_keys_fit(probed: list[np.ndarray], tokens: list[np.ndarray], positions: list[np.ndarray], keys) -> list[bool]:
     """Whether each page's K rows (`probed_key_rows`, with their tokens and positions) are all within
     ROW_TOLERANCE of their tokens' K there: every page's rows judged as one array."""
     counts = np.fromiter(map(len, probed), np.int64, len(probed))
-    near = key_distances(np.concatenate(probed).astype(np.float32, copy=False), np.concatenate(tokens).astype(np.int64),
-                         np.concatenate(positions), keys) <= ROW_TOLERANCE
+    near = keys_fit(np.concatenate(probed).astype(np.float32, copy=False), np.concatenate(tokens).astype(np.int64),
+                    np.concatenate(positions), keys)
     return np.logical_and.reduceat(near, np.cumsum(counts) - counts).tolist()
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from audit.checks.binding import ROW_TOLERANCE, nearest_on_checked, pages_keys_fit, placed_keys
+from audit.checks.binding import ROW_TOLERANCE, keys_fit, nearest_on_checked, pages_keys_fit, placed_keys
 from audit.checks.floats import decode_floats
 from audit.judge.prefixes import encoded_prefix_matches, prefix_matches
 from audit.layouts.manifest import segment_layer
@@ -164,7 +164,7 @@ def _decoded(numbers: np.ndarray, dtype: str) -> np.ndarray:
     return decode_floats(numbers.view(np.uint8).reshape(-1), dtype).reshape(numbers.shape)
 
 
-def _misplaced(keyed: list[tuple], keys) -> list[int]:
+def _misplaced(keyed: list[tuple], keys, sampled_first: bool = True) -> list[int]:
     """Of attention pages whose V rows bound, those whose K rows (of the table's head, read each way
     `audit.judge.binding.key_rows` reads them) are not their tokens' K at consecutive positions from
     the start their request recorded. The pages read in the CPU backend's order, as a rule every
@@ -173,8 +173,8 @@ def _misplaced(keyed: list[tuple], keys) -> list[int]:
     is judged on every row, each way its K may lie. A page whose start was not recorded is judged
     on V alone, as a key without a record is: reading its start from the bytes costs a load
     0.1-0.2 ms a page (the scan does it)."""
-    at_once = [entry for entry in keyed if entry[3] == 0]
-    alone = [entry for entry in keyed if entry[3] != 0]
+    at_once = [entry for entry in keyed if entry[3] == 0] if sampled_first else []
+    alone = [entry for entry in keyed if entry[3] != 0 or not sampled_first]
     if at_once:
         fits = pages_keys_fit([sampled for *_, (sampled, _) in at_once],
                               [tokens[rows] for _, _, tokens, _, _, (_, rows) in at_once],
@@ -270,6 +270,7 @@ class StateBinder:
         regions = region_bytes([(index, geometry.segment, geometry.offset, geometry.length)
                                 for index, _, (geometry, _, _) in bound])
         pages = {}  # index -> ((its attention page's bytes, its geometry), its recorded start, (K rows, which)), for K
+        batches: dict[tuple, list] = {}  # (group, rows filled) -> [its gather, (index, page bytes, start)...]
         for (index, group, (geometry, elements, raw)), data in zip(bound, regions):
             if len(data) != geometry.length:
                 continue
@@ -281,15 +282,18 @@ class StateBinder:
             filled = None if record is None else window_and_digest(record)[0]
             start = record_start(record)
             if start is not None and geometry.kind == "v" and images.keys is not None:  # V and K in one take
-                if (pair := self._pages.get((group, filled))) is None:
-                    pair = self._pages[group, filled] = page_gather(geometry, elements, images.keys, filled)
-                rows, sampled = pair.read(data, raw, geometry.dtype)
-                pages[index] = ((data, geometry), start, (sampled, pair.rows))
-            else:
-                rows = _decoded(data.view(raw).take(elements[:filled]), geometry.dtype)
+                if (batch := batches.get((group, filled))) is None:
+                    if (pair := self._pages.get((group, filled))) is None:
+                        pair = self._pages[group, filled] = page_gather(geometry, elements, images.keys, filled)
+                    batch = batches[group, filled] = [(pair, geometry, raw)]
+                batch.append((index, data, start))
+                continue
+            rows = _decoded(data.view(raw).take(elements[:filled]), geometry.dtype)
             later = _later_readings(data, geometry, filled, columns) if geometry.kind == "v" else iter(())
             pending.append((index, rows, later))
         found = {}
+        for (_, filled), ((pair, geometry, raw), *members) in batches.items():
+            pending += self._judge_pages(members, pair, geometry, raw, filled, records, found, pages)
         decided: dict[int, tuple] = {}  # index -> (its tokens, their token_bytes, all rows near an image, its reading)
         reading = 0
         while pending:  # a page's later byte orders only for values the likelier ones did not bind
@@ -317,6 +321,47 @@ class StateBinder:
         if keyed:
             found.update(dict.fromkeys(_misplaced(keyed, images.keys), PREFIX_MISMATCH))
         return found
+
+    def _judge_pages(self, members: list[tuple], pair: PageGather, geometry: Layer0Rows, raw: np.dtype, filled: int,
+                     records: dict, found: dict, pages: dict) -> list[tuple]:
+        """Attention pages of one group and fill with a recorded start (a load's pages, as a rule),
+        judged as arrays: V and K gathered into one array (`PageGather`), decoded once, V's rows
+        searched at once, each page's tokens' digest against its record, the sampled K rows at their
+        positions at once. Verdicts go to `found`. A page whose V rows do not bind in the CPU
+        backend's order is handed back, with its later readings, to `refusals`' reading loop; a page
+        whose K does not fit on its sample is judged on every row, each way its K may lie."""
+        images = self.images
+        numbers = np.empty((len(members), len(pair.elements)), raw)
+        for row, (_, data, _) in enumerate(members):
+            np.take(data.view(raw), pair.elements, out=numbers[row], mode="clip")  # (indices in range: no buffer)
+        values = _decoded(numbers, geometry.dtype)
+        held = pair.v_shape[0]
+        decoded, distances = nearest_on_checked(values[:, :pair.split].reshape(-1, pair.v_shape[1]), images)
+        near = (distances <= ROW_TOLERANCE).reshape(len(members), held).all(axis=1).tolist()
+        encoded, region, tokens = token_bytes(decoded), record_region(images.region), decoded.reshape(len(members), held)
+        sampled = values[:, pair.split:].reshape(len(members), *pair.k_shape)
+        handed_back, keyed = [], []
+        for row, ((index, data, start), bound) in enumerate(zip(members, near)):
+            pages[index] = ((data, geometry), start, (sampled[row], pair.rows))
+            if not bound:  # (its later byte orders, in `refusals`' loop, from the first again)
+                handed_back.append((index, values[row, :pair.split].reshape(pair.v_shape),
+                                    _later_readings(data, geometry, filled, images.check_columns)))
+            elif not encoded_prefix_matches(encoded[row * held * TOKEN_BYTES:(row + 1) * held * TOKEN_BYTES],
+                                            records[index], region) \
+                    and prefix_matches(tokens[row], records[index], images.twins, region) is False:
+                found[index] = PREFIX_MISMATCH
+            else:
+                keyed.append(row)
+        if keyed:
+            at = np.asarray(keyed)
+            starts = np.fromiter((members[row][2] for row in keyed), np.int64, len(keyed))
+            fits = keys_fit(sampled[at].reshape(-1, pair.k_shape[1]), tokens[at][:, pair.rows].ravel(),
+                            (starts[:, None] + pair.rows).ravel(), images.keys).reshape(len(keyed), -1).all(axis=1)
+            unfit = [(members[row][0], pages[members[row][0]][0], tokens[row], 0, members[row][2], None)
+                     for row, fit in zip(keyed, fits.tolist()) if not fit]
+            if unfit:  # (its K may lie another way, or be turned by another rotation: every row)
+                found.update(dict.fromkeys(_misplaced(unfit, images.keys, sampled_first=False), PREFIX_MISMATCH))
+        return handed_back
 
     @staticmethod
     def _gather(geometry: Layer0Rows | None, images) -> tuple:

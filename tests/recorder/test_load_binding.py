@@ -308,7 +308,9 @@ def test_the_guard_binds_attention_blocks_to_their_recorded_positions(tmp_path):
     elsewhere in a prompt) is refused as PREFIX_MISMATCH. Kept: K at the recorded start (the CPU
     backend's transposed K, and K by token), a partial tail block (its filled rows at their start),
     and blocks recorded without a start (judged on V alone, as a key without a record is: the scan
-    reads their start from the bytes), one of them at positions that are no block's."""
+    reads their start from the bytes), one of them at positions that are no block's. Among the
+    blocks recorded with a start (judged as arrays, `StateBinder._judge_pages`), V rows of other
+    tokens than the record's are PREFIX_MISMATCH, and rows that are no token's image WEIGHTS_MISMATCH."""
     from tests.judge.test_binding import _attention_page, _rotated_k
     from tests.layouts.test_images import HEAD, llama_checkpoint
 
@@ -320,12 +322,16 @@ def test_the_guard_binds_attention_blocks_to_their_recorded_positions(tmp_path):
     blocks = [rng.integers(0, 32, 16) for _ in range(6)]
     # (K's first position, the recorded start, the rows recorded, page order)
     cases = [(32, 32, 16, "cpu"), (64, 16, 16, "cpu"), (37, None, 16, "cpu"), (48, 48, 16, "by-head"),
-             (80, 80, 5, "cpu"), (96, None, 16, "cpu")]
+             (80, 80, 5, "cpu"), (96, None, 16, "cpu"), (112, 112, 16, "cpu"), (128, 128, 16, "cpu")]
+    blocks += [rng.integers(0, 32, 16) for _ in range(2)]
+    v_rows = [mine.images(tokens) for tokens in blocks]
+    v_rows[6] = mine.images(blocks[6][::-1])  # (another block's tokens)
+    v_rows[7] = 50 * rng.standard_normal(v_rows[7].shape)  # (no token's image)
     pages, lines = [], []
     for value, ((first, start, filled, order), tokens) in enumerate(zip(cases, blocks)):
         k = _rotated_k(tensors, tokens, first + np.arange(16), 2)
         k[filled:] = 50 * rng.standard_normal(k[filled:].shape)  # (a partial tail's rows hold what was there)
-        pages.append(_attention_page(mine.images(tokens), 2, rng, order, k).ravel().view(np.uint8).copy())
+        pages.append(_attention_page(v_rows[value], 2, rng, order, k).ravel().view(np.uint8).copy())
         pages.append(rng.standard_normal(256).astype(np.float32).view(np.uint8).copy())  # layer 1
         lines.append(prefix_line(f"{value:064x}", None, None, list(tokens[:filled]), start))
     records = tmp_path / "records"
@@ -338,4 +344,5 @@ def test_the_guard_binds_attention_blocks_to_their_recorded_positions(tmp_path):
     guard.describe(_attention_document(ours), {})
     guard.binder.building.join(60)
     assert guard.binder.status == "bound" and guard.binder.images.keys is not None, guard.binder.status
-    assert guard.check(keys, addrs, sizes, [0] * len(keys)) == {1: "PREFIX_MISMATCH"}
+    assert guard.check(keys, addrs, sizes, [0] * len(keys)) == {1: "PREFIX_MISMATCH", 6: "PREFIX_MISMATCH",
+                                                               7: "WEIGHTS_MISMATCH"}
