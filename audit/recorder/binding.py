@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from audit.checks.binding import ROW_TOLERANCE, keys_fit, nearest_on_checked, pages_keys_fit, placed_keys
+from audit.checks.binding import ROW_TOLERANCE, keys_fit, nearest_on_checked, placed_keys
 from audit.checks.floats import decode_floats
 from audit.judge.prefixes import encoded_prefix_matches, prefix_matches
 from audit.layouts.manifest import segment_layer
@@ -142,10 +142,6 @@ class PageGather:
     rows: np.ndarray
     k_shape: tuple[int, int]
 
-    def read(self, data: np.ndarray, raw: np.dtype, dtype: str) -> tuple[np.ndarray, np.ndarray]:
-        numbers = _decoded(data.view(raw).take(self.elements), dtype)
-        return numbers[:self.split].reshape(self.v_shape), numbers[self.split:].reshape(self.k_shape)
-
 
 def page_gather(geometry: Layer0Rows, v_elements: np.ndarray, keys, filled: int) -> PageGather:
     """A page's `PageGather` for its first `filled` rows (`v_elements`: `row_elements` of every row)."""
@@ -164,29 +160,16 @@ def _decoded(numbers: np.ndarray, dtype: str) -> np.ndarray:
     return decode_floats(numbers.view(np.uint8).reshape(-1), dtype).reshape(numbers.shape)
 
 
-def _misplaced(keyed: list[tuple], keys, sampled_first: bool = True) -> list[int]:
-    """Of attention pages whose V rows bound, those whose K rows (of the table's head, read each way
-    `audit.judge.binding.key_rows` reads them) are not their tokens' K at consecutive positions from
-    the start their request recorded. The pages read in the CPU backend's order, as a rule every
-    one, are judged as one array on the KEY_ROWS rows gathered with their V (`PageGather`; two rows
-    fix a block's positions, and V has judged every row's token); a page that does not fit there
-    is judged on every row, each way its K may lie. A page whose start was not recorded is judged
-    on V alone, as a key without a record is: reading its start from the bytes costs a load
-    0.1-0.2 ms a page (the scan does it)."""
-    at_once = [entry for entry in keyed if entry[3] == 0] if sampled_first else []
-    alone = [entry for entry in keyed if entry[3] != 0 or not sampled_first]
-    if at_once:
-        fits = pages_keys_fit([sampled for *_, (sampled, _) in at_once],
-                              [tokens[rows] for _, _, tokens, _, _, (_, rows) in at_once],
-                              [start + rows for _, _, _, _, start, (_, rows) in at_once], keys)
-        alone += [entry for entry, fit in zip(at_once, fits) if not fit]  # (its K may lie another way: every row)
-    misplaced = []
-    if alone:
-        from audit.judge.binding import key_rows
-    for index, (data, geometry), tokens, order, start, _ in alone:
-        if not placed_keys(key_rows(data, geometry, order, keys.head), tokens, keys, start, geometry.shape[1])[0]:
-            misplaced.append(index)
-    return misplaced
+def _misplaced(keyed: list[tuple], keys) -> list[int]:
+    """Of attention pages whose V rows bound (index, (page bytes, geometry), tokens, V's byte order,
+    recorded start), those whose K rows of the table's head, read each way `audit.judge.binding.key_rows`
+    reads them and turned by each rotation K may have, are not their tokens' K at consecutive
+    positions from that start: every row judged. `StateBinder._judge_pages` sends here the pages
+    whose sampled rows do not fit, and the reading loop the pages V bound in another byte order."""
+    from audit.judge.binding import key_rows
+
+    return [index for index, (data, geometry), tokens, order, start in keyed
+            if not placed_keys(key_rows(data, geometry, order, keys.head), tokens, keys, start, geometry.shape[1])[0]]
 
 
 class StateBinder:
@@ -269,7 +252,7 @@ class StateBinder:
                 bound.append((index, group, gather))
         regions = region_bytes([(index, geometry.segment, geometry.offset, geometry.length)
                                 for index, _, (geometry, _, _) in bound])
-        pages = {}  # index -> ((its attention page's bytes, its geometry), its recorded start, (K rows, which)), for K
+        pages = {}  # index -> ((its attention page's bytes, its geometry), its recorded start), for K
         batches: dict[tuple, list] = {}  # (group, rows filled) -> [its gather, (index, page bytes, start)...]
         for (index, group, (geometry, elements, raw)), data in zip(bound, regions):
             if len(data) != geometry.length:
@@ -317,7 +300,7 @@ class StateBinder:
                     and prefix_matches(tokens, expected, images.twins, region) is False:
                 found[index] = PREFIX_MISMATCH
             elif index in pages:
-                keyed.append((index, pages[index][0], tokens, order, *pages[index][1:]))
+                keyed.append((index, pages[index][0], tokens, order, pages[index][1]))
         if keyed:
             found.update(dict.fromkeys(_misplaced(keyed, images.keys), PREFIX_MISMATCH))
         return found
@@ -342,7 +325,7 @@ class StateBinder:
         sampled = values[:, pair.split:].reshape(len(members), *pair.k_shape)
         handed_back, keyed = [], []
         for row, ((index, data, start), bound) in enumerate(zip(members, near)):
-            pages[index] = ((data, geometry), start, (sampled[row], pair.rows))
+            pages[index] = ((data, geometry), start)
             if not bound:  # (its later byte orders, in `refusals`' loop, from the first again)
                 handed_back.append((index, values[row, :pair.split].reshape(pair.v_shape),
                                     _later_readings(data, geometry, filled, images.check_columns)))
@@ -357,10 +340,10 @@ class StateBinder:
             starts = np.fromiter((members[row][2] for row in keyed), np.int64, len(keyed))
             fits = keys_fit(sampled[at].reshape(-1, pair.k_shape[1]), tokens[at][:, pair.rows].ravel(),
                             (starts[:, None] + pair.rows).ravel(), images.keys).reshape(len(keyed), -1).all(axis=1)
-            unfit = [(members[row][0], pages[members[row][0]][0], tokens[row], 0, members[row][2], None)
+            unfit = [(members[row][0], pages[members[row][0]][0], tokens[row], 0, members[row][2])
                      for row, fit in zip(keyed, fits.tolist()) if not fit]
             if unfit:  # (its K may lie another way, or be turned by another rotation: every row)
-                found.update(dict.fromkeys(_misplaced(unfit, images.keys, sampled_first=False), PREFIX_MISMATCH))
+                found.update(dict.fromkeys(_misplaced(unfit, images.keys), PREFIX_MISMATCH))
         return handed_back
 
     @staticmethod
