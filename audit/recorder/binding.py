@@ -182,6 +182,7 @@ class StateBinder:
         self.building: threading.Thread | None = None  # the thread building the images (joined by tests)
         self._refreshed = -REFRESH_S
         self._gathers: dict[int, tuple] = {}  # each group's (Layer0Rows, `row_elements`, raw number dtype)
+        self._groups: dict[str, int] = {}  # a key's stem (all but its hash) -> its KV-cache group
         self._pages: dict[tuple[int, int], PageGather] = {}  # (group, rows filled) -> what its pages give up
         self._gathers_of = None  # the images those were made for (`describe` clears them too)
 
@@ -243,21 +244,25 @@ class StateBinder:
         records = {}  # index -> its chunk hash's record, as kept (`window_and_digest`): one lookup a key
         if self._gathers_of is not images:
             self._gathers, self._pages, self._gathers_of = {}, {}, images
-        bound: list[tuple[int, int, tuple]] = []  # (index, its group, its group's gather), for the values bound here
+        bound: list[tuple[int, int, tuple, str]] = []  # (index, group, its gather, chunk hash), for the values bound here
         for index in loaded:
-            group = key_group(keys[index])
+            stem, _, chunk_hash = keys[index].rpartition("@")
+            if (group := self._groups.get(stem)) is None:
+                if len(self._groups) > 1024:  # (a key's stem names its model, ranks and group: a few a process)
+                    self._groups.clear()
+                group = self._groups[stem] = key_group(keys[index])
             if (gather := self._gathers.get(group)) is None:
                 gather = self._gathers[group] = self._gather(self.layer0.get(group), images)
             if gather[1] is not None:
-                bound.append((index, group, gather))
+                bound.append((index, group, gather, chunk_hash))
         regions = region_bytes([(index, geometry.segment, geometry.offset, geometry.length)
-                                for index, _, (geometry, _, _) in bound])
+                                for index, _, (geometry, _, _), _ in bound])
         pages = {}  # index -> ((its attention page's bytes, its geometry), its recorded start), for K
         batches: dict[tuple, list] = {}  # (group, rows filled) -> [its gather, (index, page bytes, start)...]
-        for (index, group, (geometry, elements, raw)), data in zip(bound, regions):
+        for (index, group, (geometry, elements, raw), chunk_hash), data in zip(bound, regions):
             if len(data) != geometry.length:
                 continue
-            record = records[index] = self._record(keys[index].rpartition("@")[2], region)
+            record = records[index] = self._record(chunk_hash, region)
             if geometry.kind == "conv":  # (the gathers take these few numbers, not the page)
                 pending.append((index, _decoded(data.view(raw).take(elements), geometry.dtype), iter(())))
                 continue
