@@ -366,7 +366,7 @@ def test_every_attention_keys_layer0_v_rows_are_the_images_of_its_own_blocks_tok
                                                rotary) for rotary in images.keys.rotations),
                                              key=lambda found: found[0][1].max())
             assert start == (k - 1) * block and distances.max() <= result.case.exact, (key, start, distances.max())
-            rotations.add(rotary.variant or "the one")
+            rotations.add(rotary.variant or "its only rotation")
             worst_k = max(worst_k or 0.0, float(distances.max()))
     observed[name] = {"keys": len(result.keys), "keys_holding_layer0": len(held), "block_size": result.block,
                       "tp_ranks": sorted(ranks), "worst_row_distance": worst, "kv_dtype": region["dtype"],
