@@ -20,7 +20,6 @@ import json
 import logging
 import re
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +51,6 @@ def key_group(key: str) -> int:
     """The KV-cache group a vLLM key names (``@group:N@``; 0 for a key without one)."""
     match = _GROUP.search(key)
     return int(match.group(1)) if match else 0
-REFRESH_S = 0.02  # the prefix records are read again at most this often (only when a key's hash is missing)
 CAPACITY = 1 << 16  # prefix records kept (about 20 MB): a request's hashes are recorded just before its loads
 WEIGHTS_MISMATCH = "WEIGHTS_MISMATCH"
 PREFIX_MISMATCH = "PREFIX_MISMATCH"
@@ -180,7 +178,6 @@ class StateBinder:
         self.images = None
         self.status = "not described yet"
         self.building: threading.Thread | None = None  # the thread building the images (joined by tests)
-        self._refreshed = -REFRESH_S
         self._gathers: dict[int, tuple] = {}  # each group's (Layer0Rows, `row_elements`, raw number dtype)
         self._groups: dict[str, int] = {}  # a key's stem (all but its hash) -> its KV-cache group
         self._pages: dict[tuple[int, int], PageGather] = {}  # (group, rows filled) -> what its pages give up
@@ -241,7 +238,6 @@ class StateBinder:
             return {}
         pending: list[tuple[int, np.ndarray, Iterator]] = []  # (index, rows on the check columns, later readings)
         region, columns = record_region(images.region), images.check_columns
-        records = {}  # index -> its chunk hash's record, as kept (`window_and_digest`): one lookup a key
         if self._gathers_of is not images:
             self._gathers, self._pages, self._gathers_of = {}, {}, images
         bound: list[tuple[int, int, tuple, str]] = []  # (index, group, its gather, chunk hash), for the values bound here
@@ -257,12 +253,17 @@ class StateBinder:
                 bound.append((index, group, gather, chunk_hash))
         regions = region_bytes([(index, geometry.segment, geometry.offset, geometry.length)
                                 for index, _, (geometry, _, _), _ in bound])
+        records = {index: self.prefixes.packed(chunk_hash, region) for index, _, _, chunk_hash in bound}
+        if None in records.values():  # (its scheduler records a request before its loads: read what is new, once)
+            self._refresh()
+            records.update((index, self.prefixes.packed(chunk_hash, region))
+                           for index, _, _, chunk_hash in bound if records[index] is None)
         pages = {}  # index -> ((its attention page's bytes, its geometry), its recorded start), for K
         batches: dict[tuple, list] = {}  # (group, rows filled) -> [its gather, (index, page bytes, start)...]
-        for (index, group, (geometry, elements, raw), chunk_hash), data in zip(bound, regions):
+        for (index, group, (geometry, elements, raw), _), data in zip(bound, regions):
             if len(data) != geometry.length:
                 continue
-            record = records[index] = self._record(chunk_hash, region)
+            record = records[index]
             if geometry.kind == "conv":  # (the gathers take these few numbers, not the page)
                 pending.append((index, _decoded(data.view(raw).take(elements), geometry.dtype), iter(())))
                 continue
@@ -362,22 +363,10 @@ class StateBinder:
             return geometry, None, None
         return geometry, row_elements(geometry, images.check_columns, images.columns), np.dtype(f"u{bits.itemsize}")
 
-    def _record(self, chunk_hash: str, region: str):
-        """`chunk_hash`'s record for `region` as kept, the records read again first where it has none
-        (at most every REFRESH_S); None: no record."""
-        record = self.prefixes.packed(chunk_hash, region)
-        if record is None:
-            self._refresh()
-            record = self.prefixes.packed(chunk_hash, region)
-        return record
-
     def _refresh(self) -> None:
-        """The prefix records written since the last read (at most every REFRESH_S: a key without a
-        record is judged on its weights alone); past CAPACITY hashes, the oldest half goes."""
-        if time.monotonic() - self._refreshed < REFRESH_S:
-            return
-        self._refreshed = time.monotonic()
-
+        """The prefix records written since the last read (once a call to `refusals`, and only where a
+        key has none: a key still without one is judged on its weights alone); past CAPACITY hashes,
+        the oldest half goes."""
         for line in self._tail.lines():
             try:
                 self.prefixes.add(*parse_prefix_record(json.loads(line)))

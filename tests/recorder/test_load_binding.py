@@ -310,7 +310,8 @@ def test_the_guard_binds_attention_blocks_to_their_recorded_positions(tmp_path):
     and blocks recorded without a start (judged on V alone, as a key without a record is: the scan
     reads their start from the bytes), one of them at positions that are no block's. Among the
     blocks recorded with a start (judged as arrays, `StateBinder._judge_pages`), V rows of other
-    tokens than the record's are PREFIX_MISMATCH, and rows that are no token's image WEIGHTS_MISMATCH."""
+    tokens than the record's are PREFIX_MISMATCH, and rows that are no token's image WEIGHTS_MISMATCH.
+    Records written right after a load are read by the next load, however soon it comes."""
     from tests.judge.test_binding import _attention_page, _rotated_k
     from tests.layouts.test_images import HEAD, llama_checkpoint
 
@@ -346,3 +347,11 @@ def test_the_guard_binds_attention_blocks_to_their_recorded_positions(tmp_path):
     assert guard.binder.status == "bound" and guard.binder.images.keys is not None, guard.binder.status
     assert guard.check(keys, addrs, sizes, [0] * len(keys)) == {1: "PREFIX_MISMATCH", 6: "PREFIX_MISMATCH",
                                                                7: "WEIGHTS_MISMATCH"}
+    # the next step's requests: their scheduler records them just before their loads, which come at once
+    # (a TP 2 consumer's rank once judged such a block on V alone: its records were read too recently)
+    later = [vllm_key(MODEL, f"{value + 100:064x}") for value in range(len(cases))]
+    with open(records / "prefixes-host-1-0000.jsonl", "a", encoding="utf-8") as handle:
+        handle.write("".join(prefix_line(f"{value + 100:064x}", None, None, list(tokens[:filled]), start) + "\n"
+                             for value, ((_, start, filled, _), tokens) in enumerate(zip(cases, blocks))))
+    assert guard.check(later, addrs, sizes, [0] * len(later)) == {1: "PREFIX_MISMATCH", 6: "PREFIX_MISMATCH",
+                                                                 7: "WEIGHTS_MISMATCH"}
