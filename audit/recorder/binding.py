@@ -158,6 +158,12 @@ def _decoded(numbers: np.ndarray, dtype: str) -> np.ndarray:
     return decode_floats(numbers.view(np.uint8).reshape(-1), dtype).reshape(numbers.shape)
 
 
+def _other_prefix(encoded, tokens: np.ndarray, expected, twins, region: str) -> bool:
+    """Whether a page's decoded tokens (and their `token_bytes`) are not those its record names: its
+    digest first, then `prefix_matches` where the digest alone cannot say (twins, a text digest)."""
+    return not encoded_prefix_matches(encoded, expected, region) and prefix_matches(tokens, expected, twins, region) is False
+
+
 def _misplaced(keyed: list[tuple], keys) -> list[int]:
     """Of attention pages whose V rows bound (index, (page bytes, geometry), tokens, V's byte order,
     recorded start), those whose K rows of the table's head, read each way `audit.judge.binding.key_rows`
@@ -302,8 +308,7 @@ class StateBinder:
             expected = records[index]
             if not bound:
                 found[index] = WEIGHTS_MISMATCH
-            elif expected is not None and not encoded_prefix_matches(encoded, expected, region) \
-                    and prefix_matches(tokens, expected, images.twins, region) is False:
+            elif expected is not None and _other_prefix(encoded, tokens, expected, images.twins, region):
                 found[index] = PREFIX_MISMATCH
             elif index in pages:
                 keyed.append((index, pages[index][0], tokens, order, pages[index][1]))
@@ -335,9 +340,8 @@ class StateBinder:
             if not bound:  # (its later byte orders, in `refusals`' loop, from the first again)
                 handed_back.append((index, values[row, :pair.split].reshape(pair.v_shape),
                                     _later_readings(data, geometry, filled, images.check_columns)))
-            elif not encoded_prefix_matches(encoded[row * held * TOKEN_BYTES:(row + 1) * held * TOKEN_BYTES],
-                                            records[index], region) \
-                    and prefix_matches(tokens[row], records[index], images.twins, region) is False:
+            elif _other_prefix(encoded[row * held * TOKEN_BYTES:(row + 1) * held * TOKEN_BYTES], tokens[row],
+                               records[index], images.twins, region):
                 found[index] = PREFIX_MISMATCH
             else:
                 keyed.append(row)
