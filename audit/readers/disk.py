@@ -10,9 +10,10 @@ master only through `/batch_query_keys`, so the cluster behaves as if no one had
 
 As with raw memory reads, the master is asked again after the read: a key it no longer knows
 is VANISHED (-704); one whose disk replica it no longer lists at that size, or whose bucket left
-the disk meanwhile, is MOVED. A key removed and put again, whose new bucket was written after
-the directory was indexed, is read from its old bucket unseen: `confirm` indexes the directory
-afresh before a finding is reported.
+the disk meanwhile, is MOVED. A holder writes a key into a bucket once (a key put again stays in
+memory: `DiskCopies.unlisted_copy`), but a key put again on another holder of this host, whose new
+bucket was written after the directories were indexed, is read from its old bucket unseen:
+`confirm` indexes the directories afresh before a finding is reported.
 """
 
 from __future__ import annotations
@@ -234,6 +235,7 @@ class DiskCopies:
         self.directories = list(directories)
         self.index = index_directories(self.directories)
         self.compared = self.divergent = self.elsewhere = 0
+        self.latent: list[dict] = []  # `unlisted_copy`'s rows
 
     def compare(self, record: KeyRecord, key: KeyInfo) -> None:
         """Read `key`'s disk copy and judge it against `record` (the key as read from memory)."""
@@ -254,6 +256,22 @@ class DiskCopies:
         judge_disk_copy(record, {**row, "endpoint": _disk_endpoint(key)})
         self.compared += row["status"] == "ok"
         self.divergent += not before and Verdict.REPLICA_DIVERGENT in record.verdicts
+
+    def unlisted_copy(self, record: KeyRecord) -> None:
+        """A copy on disk of a key the master lists with no disk replica (`record`: the key as read
+        from memory). A holder offloads a key once: one removed and put again keeps its first value's
+        copy, which the master no longer lists and a restart of the holder registers again, in place
+        of the bytes in memory (measured, docs/read-modes.md). Named, with whether it holds the bytes
+        read; not a finding: a producer that computed the value again may differ in its last bits."""
+        value = self.stored(record.key)
+        if value is None or record.xxh3 is None:
+            return
+        if _disk_sizes(query_answers(self.admin, [record.key]).get(record.key)):
+            return  # listed on disk by now: offloaded while it was read
+        row = self._read(value)
+        if row["status"] == "ok":
+            self.latent.append({"key": record.key, "file": row["file"], "offset": row["offset"], "size": row["size"],
+                                "xxh3": row["xxh3"], "memory_xxh3": f"{record.xxh3:016x}"})
 
     def stored(self, name: str) -> StoredValue | None:
         """Where the directories, as last indexed, hold the default-tenant key `name`'s value."""
@@ -305,6 +323,10 @@ class DiskCopies:
                            "size": candidates[name].size} for name in gone[:UNLISTED_NAMED]]}
 
     def summary(self, unlisted: dict | None) -> dict:
+        latent = {"copies": len(self.latent),
+                  "unlike_memory": sum(row["xxh3"] != row["memory_xxh3"] for row in self.latent),
+                  "named": sorted(self.latent, key=lambda row: (row["xxh3"] == row["memory_xxh3"], row["key"]))[:UNLISTED_NAMED]}
         return {"directories": [str(directory) for directory in self.directories],
                 "disk_copies_compared": self.compared, "disk_copies_divergent": self.divergent,
-                "disk_copies_elsewhere": self.elsewhere, **({"unlisted": unlisted} if unlisted is not None else {})}
+                "disk_copies_elsewhere": self.elsewhere, "latent": latent,
+                **({"unlisted": unlisted} if unlisted is not None else {})}

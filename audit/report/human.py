@@ -87,6 +87,12 @@ def _offload_lines(offload: dict) -> list[str]:
         shown = ", ".join(printable(value["key"], 80) for value in unlisted["named"][:5])
         lines.append(f"on disk but listed by no master: {unlisted['values']} value(s), which a holder restart "
                      f"registers again: {shown}{', ...' if unlisted['values'] > 5 else ''}")
+    latent = offload.get("latent")
+    if latent and latent["copies"]:
+        shown = ", ".join(printable(row["key"], 80) for row in latent["named"][:5])
+        lines.append(f"on disk but not listed for its key: {latent['copies']} copy(ies), {latent['unlike_memory']} "
+                     f"unlike the bytes in memory, which a restart of the holder registers again in their place: "
+                     f"{shown}{', ...' if latent['copies'] > 5 else ''}")
     return lines
 
 

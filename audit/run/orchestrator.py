@@ -81,11 +81,13 @@ def _select(keys: KeyTable, options: ScanOptions, state: StateDir | None, contex
     return selected
 
 
-def _memory_and_disk(keys: KeyTable) -> dict:
-    """The keys with a memory replica and a disk copy on a holder's SSD (`local_disk`), by name:
-    read from memory, their disk copies are compared with what was read."""
+def _by_disk_tier(keys: KeyTable) -> tuple[dict, set[str]]:
+    """The keys with a memory replica and a disk copy on a holder's SSD (`local_disk`), by name
+    (read from memory, their disk copies are compared with what was read), and the names of every
+    key listed with a disk copy (the others' copies on disk are ones no master lists)."""
     _, unusual = keys.unusual()
-    return {key.name: key for key in unusual if in_both_tiers(key)}
+    on_disk = [key for key in unusual if any(replica.get("tier") == "local_disk" for replica in key.replicas)]
+    return {key.name: key for key in on_disk if in_both_tiers(key)}, {key.name for key in on_disk}
 
 
 def _resume(keys: KeyTable, done: dict[str, KeyRecord], records: RecordLedger) -> KeyTable:
@@ -316,7 +318,7 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
             records.add(record)
         keys_selected += len(other.keys) + len(other.records)
         disk_copies = DiskCopies(admin, options.offload_dirs) if options.offload_dirs else None
-        in_both_tiers = _memory_and_disk(keys) if disk_copies is not None else {}
+        in_both_tiers, listed_on_disk = _by_disk_tier(keys) if disk_copies is not None else ({}, set())
         keys, lease_only = split_lease_only(keys, options, on_ray=ray_scan is not None)
         other.groups.insert(0, (None, lease_only))
         progress.start(len(keys) + len(other.keys), keys.total_size() + sum(key.size or 0 for key in other.keys))
@@ -325,6 +327,8 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
         def emit(record: KeyRecord) -> None:
             if record.tenant is None and (both := in_both_tiers.get(record.key)) is not None:
                 disk_copies.compare(record, both)
+            elif record.tenant is None and disk_copies is not None and record.key not in listed_on_disk:
+                disk_copies.unlisted_copy(record)
             if purged is not None:
                 purged.judge(record)
             records.add(record)

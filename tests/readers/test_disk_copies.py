@@ -19,7 +19,7 @@ from audit.readers.buckets import stored_key
 from audit.readers.offload_index import index_directories
 from tests.conftest import settings_for
 from tests.helpers import by_key, run_cli, scan_json
-from tests.readers.test_tiered import put_on_disk
+from tests.readers.test_tiered import _put, put_on_disk
 
 VALUE_BYTES = 256 << 10
 KEYS = 8
@@ -112,3 +112,78 @@ def test_a_value_on_disk_that_no_master_lists_is_named(tiered):
     assert human.exit_code == 0, human.output
     assert "on disk but listed by no master: 1 value(s), which a holder restart registers again: copies/2" in human.stdout
     assert "disk copies (--offload-dir): 7 compared with memory, 0 divergent" in human.stdout
+
+
+def _put_again(cluster: LocalCluster, values: dict[str, bytes]) -> None:
+    """`values`' keys removed by the application and put again with `values`, on the offloading holder."""
+    store = open_store(settings_for(cluster))
+    try:
+        for key, value in values.items():
+            remove(store, key)
+            _put(store, key, value, cluster.running_holders[0].segment)
+    finally:
+        store.close()
+    time.sleep(3)  # offloading is eager (a heartbeat of 1 s): it would have happened by now
+
+
+def test_a_key_put_again_keeps_its_first_copy_on_disk_which_a_holder_restart_serves(tmp_path):
+    """The bucket backend offloads a key once: removed and put again, the key stays in memory only,
+    the master lists no disk copy, and the first value's copy stays in its bucket, which a restarted
+    holder registers in place of the bytes that were in memory. The scan names that copy (`latent`)
+    and says whether it holds the bytes read from memory; it is no finding."""
+    with LocalCluster(holders=1, segment_mb=64, offload=True, bucket_keys=BUCKET_KEYS, client_ttl_s=3,
+                      log_dir=tmp_path) as cluster:
+        first = fill(cluster, "again")
+        holder = cluster.running_holders[0]
+        changed, same = "again/2", "again/5"
+        second = {**first, changed: os.urandom(VALUE_BYTES)}
+        _put_again(cluster, {changed: second[changed], same: second[same]})
+        assert cluster.tiers([changed, same]) == {changed: {"memory"}, same: {"memory"}}
+
+        args = [*cli_args(cluster), "--prefix", "again/", "--all", "--offload-dir", str(holder.offload_dir)]
+        for read_mode in ("lease", "peek"):
+            code, document = scan_json([*args, "--read-mode", read_mode])
+            offload = document["summary"]["offload"]
+            assert code == 0 and document["summary"]["verdicts"] == {}, read_mode
+            assert offload["unlisted"]["values"] == 0 and offload["disk_copies_compared"] == KEYS - 2
+            latent = offload["latent"]
+            assert (latent["copies"], latent["unlike_memory"]) == (2, 1), latent
+            assert [(row["key"], row["xxh3"], row["memory_xxh3"]) for row in latent["named"]] == [
+                (changed, _digest(first[changed]), _digest(second[changed])),  # the one unlike memory first
+                (same, _digest(first[same]), _digest(first[same]))]
+            assert latent["named"][0]["file"].startswith(str(holder.offload_dir))
+        human = run_cli("scan", *args, "--read-mode", "peek", "--no-progress")
+        assert human.exit_code == 0, human.output
+        assert ("on disk but not listed for its key: 2 copy(ies), 1 unlike the bytes in memory, which a restart "
+                f"of the holder registers again in their place: {changed}, {same}") in human.stdout
+
+        cluster.restart_holder(holder)
+        cluster.wait_held(first, "local_disk")
+        store = open_store(settings_for(cluster))
+        try:
+            assert store.get(changed) == first[changed]  # the first value is back under the key
+        finally:
+            store.close()
+        code, document = scan_json([*args, "--read-mode", "peek"])
+        assert code == 0 and document["summary"]["offload"]["latent"]["copies"] == 0
+        assert {key: record["xxh3"] for key, record in by_key(document).items()} == {
+            key: _digest(value) for key, value in first.items()}
+
+
+def test_the_file_per_key_backend_offloads_a_key_put_again_anew(tmp_path):
+    """Unlike buckets, a key file is written again: the key put again is in both tiers with its new
+    value, compared like the rest, and no copy is latent."""
+    with LocalCluster(holders=1, segment_mb=64, offload=True, backend="file_per_key", log_dir=tmp_path) as cluster:
+        fill(cluster, "again")
+        changed = "again/2"
+        _put_again(cluster, {changed: os.urandom(VALUE_BYTES)})
+        assert cluster.tiers([changed]) == {changed: {"memory", "local_disk"}}
+        code, document = scan_json([*cli_args(cluster), "--prefix", "again/", "--read-mode", "peek",
+                                    "--offload-dir", str(cluster.running_holders[0].offload_dir)])
+        offload = document["summary"]["offload"]
+        assert code == 0 and document["summary"]["verdicts"] == {}
+        assert offload["disk_copies_compared"] == KEYS and offload["latent"]["copies"] == 0
+
+
+def _digest(value: bytes) -> str:
+    return f"{xxhash.xxh3_64_intdigest(value):016x}"
