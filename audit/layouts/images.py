@@ -79,6 +79,7 @@ class TokenImages:
     embedding_scale: float = 1.0
     gate: np.ndarray | None = None  # (columns, hidden): a second projection the image is multiplied by
     bias: np.ndarray | None = None  # (columns,): the projection's bias (Qwen2's qkv_bias), added after it
+    gate_bias: np.ndarray | None = None  # (columns,): the gate's bias (LFM2's conv_bias: B and x each biased)
     post_norm: np.ndarray | None = None  # (columns,): an RMSNorm's weight over the projection (MLA's kv_a_layernorm)
     post_eps: float = 1e-6
     region: str = "conv"            # which layer-0 rows are images: "conv" (a conv state's), "v" (attention's V),
@@ -89,8 +90,10 @@ class TokenImages:
     keys_not_bound: str = ""        # why K is not bound (an attention rule without `keys`)
 
     def __post_init__(self):
-        if sum(extra is not None for extra in (self.gate, self.bias, self.post_norm)) > 1:
-            raise ValueError("a gate, a bias and a norm after the projection: one at most has a table rule")
+        if self.post_norm is not None and (self.gate is not None or self.bias is not None):
+            raise ValueError("a norm after a gated or biased projection has no table rule")
+        if self.gate_bias is not None and self.gate is None:
+            raise ValueError("a gate's bias without a gate")
 
     @property
     def vocab_size(self) -> int:
@@ -108,7 +111,12 @@ class TokenImages:
             projected += self.bias
         if self.post_norm is not None:
             return self._post_normed(projected)
-        return projected if self.gate is None else projected * (normed @ self.gate.T)
+        if self.gate is None:
+            return projected
+        gated = normed @ self.gate.T
+        if self.gate_bias is not None:
+            gated += self.gate_bias
+        return projected * gated
 
     def _post_normed(self, projected: np.ndarray) -> np.ndarray:
         mean_square = np.mean(projected * projected, axis=-1, keepdims=True)
@@ -191,7 +199,7 @@ class TokenImages:
             return None
         # the projections' checked rows too: a scaling read from config.json (not a checkpoint file) is in them
         rows = hashlib.sha256(np.ascontiguousarray(self.weight[self.check_columns]).tobytes())
-        for extra in (self.gate, self.bias, self.post_norm):
+        for extra in (self.gate, self.bias, self.gate_bias, self.post_norm):
             if extra is not None:
                 rows.update(np.ascontiguousarray(extra[self.check_columns]).tobytes())
         key = json.dumps([self.checkpoint, self.tp_size, self.tp_rank, self.columns, self.check_columns.tolist(),
@@ -201,7 +209,8 @@ class TokenImages:
     def _build_table(self) -> np.ndarray:
         """The norm is a scalar per token, so the projections run on the raw embeddings, a block of
         the vocabulary at a time, and each row is divided by its token's RMS after (by its mean
-        square for a gated image: the scalar is in both factors); a bias is added last, unscaled.
+        square for a gated image: the scalar is in both factors); a bias is added to its factor after
+        the division, unscaled.
         A norm after the projection needs every column of it: that image is computed whole."""
         if self.post_norm is not None:
             table = np.empty((self.vocab_size, len(self.check_columns)), dtype=np.float32)
@@ -212,19 +221,26 @@ class TokenImages:
         norm = self.norm_weight if self.norm_weight is not None else 1
         weight = self.weight[self.check_columns] * norm
         gate = None if self.gate is None else self.gate[self.check_columns] * norm
+        bias, gate_bias = (None if extra is None else extra[self.check_columns] for extra in (self.bias, self.gate_bias))
         table = np.empty((self.vocab_size, len(self.check_columns)), dtype=np.float32)
         scale = np.float32(self.embedding_scale)
         for first, block in self.embeddings.blocks(TABLE_BLOCK_ROWS):
-            projected = block @ weight.T * scale
-            if gate is not None:
-                projected *= block @ gate.T * scale
+            rms = np.float32(1)
             if self.norm_weight is not None:
                 mean_square = np.einsum("ij,ij->i", block, block) / block.shape[1] * scale * scale
-                norm_square = mean_square + np.float32(self.eps)
-                projected /= (np.sqrt(norm_square) if gate is None else norm_square)[:, None]
+                rms = np.sqrt(mean_square + np.float32(self.eps))[:, None]
+            projected = block @ weight.T * scale
+            if gate is not None and bias is None and gate_bias is None:  # both factors hold the scalar
+                projected *= block @ gate.T * scale
+                projected /= rms * rms
+            else:
+                projected /= rms
+                if bias is not None:
+                    projected += bias
+                if gate is not None:
+                    gated = block @ gate.T * scale / rms
+                    projected *= gated if gate_bias is None else gated + gate_bias
             table[first:first + len(block)] = projected
-        if self.bias is not None:
-            table += self.bias[self.check_columns]
         return table
 
 

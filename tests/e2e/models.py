@@ -36,7 +36,9 @@ class TinyModel:
 
 MODELS: dict[str, TinyModel] = {m.name: m for m in [
     TinyModel("mamba2-tiny", "mamba2", "float32", mamba=True, block_size=16, serve_dtype="float32"),
-    TinyModel("mamba2-tiny-bf16", "mamba2", "bfloat16", mamba=True, block_size=16),
+    # in_proj biased (use_bias, random biases): the conv rows' images carry in_proj's xBC bias
+    TinyModel("mamba2-tiny-bf16", "mamba2", "bfloat16", mamba=True, block_size=16, random_biases=True,
+              config_args={"use_bias": True}),
     TinyModel("llama-tiny", "llama", "bfloat16", mamba=False, block_size=32),
     TinyModel("nemotron-h-tiny", "nemotron_h", "bfloat16", mamba=True, block_size=None),
     TinyModel("falcon-h1-tiny", "falcon_h1", "bfloat16", mamba=True, block_size=None),
@@ -105,6 +107,9 @@ BINDING_MODELS: dict[str, TinyModel] = {m.name: m for m in [
     TinyModel("mamba1-tiny-bf16", "mamba", "bfloat16", mamba=True, block_size=16),
     TinyModel("falcon-mamba-tiny", "falcon_mamba", "bfloat16", mamba=True, block_size=16),
     TinyModel("jamba-tiny", "jamba", "bfloat16", mamba=True, block_size=None),
+    # LFM2 with conv_bias (random biases): its in_proj biases B and x before their product
+    TinyModel("lfm2-tiny-bias", "lfm2", "bfloat16", mamba=True, block_size=None, random_biases=True,
+              config_args={"conv_bias": True}, config_extra={"conv_dim": 64, "block_dim": 64}),
 ]}
 # Only in tests/e2e/test_binding_e2e.py (issue #40): attention models whose layer 0 vLLM computes
 # otherwise than Llama's: Qwen2's biased qkv_proj (and its K turned by YaRN), Gemma 3's normalizer and 1 + w norm (layer 0
@@ -139,8 +144,9 @@ def hf_config(model: TinyModel):
     common = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     if model.family == "mamba2":
         # hidden 64, 2 layers, d_state 16, 8 heads x 16 (d_inner 128), n_groups 1, d_conv 4
-        return t.Mamba2Config(hidden_size=64, num_hidden_layers=2, state_size=16, num_heads=8, head_dim=16,
-                              expand=2, n_groups=1, conv_kernel=4, chunk_size=16, **common)
+        return t.Mamba2Config(**{**dict(hidden_size=64, num_hidden_layers=2, state_size=16, num_heads=8, head_dim=16,
+                                        expand=2, n_groups=1, conv_kernel=4, chunk_size=16, **common),
+                                 **model.config_args})
     if model.family == "mamba":
         return t.MambaConfig(hidden_size=64, num_hidden_layers=2, state_size=16, expand=2, conv_kernel=4, **common)
     if model.family == "falcon_mamba":
@@ -169,9 +175,11 @@ def hf_config(model: TinyModel):
             mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
             mamba_expand=2, mamba_chunk_size=16, max_position_embeddings=4096, **common), **model.config_args})
     if model.family == "lfm2":
-        return t.Lfm2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=1,
-                            num_key_value_heads=1, conv_L_cache=3, block_auto_adjust_ff_dim=False,
-                            layer_types=["conv", "full_attention", "conv"], max_position_embeddings=4096, **common)
+        return t.Lfm2Config(**{**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=1,
+                                      num_key_value_heads=1, conv_L_cache=3, block_auto_adjust_ff_dim=False,
+                                      layer_types=["conv", "full_attention", "conv"], max_position_embeddings=4096,
+                                      **common),
+                               **model.config_args})
     if model.family == "qwen3_next":
         return t.Qwen3NextConfig(**{**dict(
             hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,

@@ -3,12 +3,13 @@
 
 Runs, each one engine on a fresh cluster: the tiny Mamba2 of the harness (hidden 64, 2 layers,
 n_groups 1, block 16) in float32 at TP 1 and TP 2 (the group replicated onto each rank), and its
-bfloat16 checkpoint served with dtype "auto" (conv state in bfloat16) at TP 1, five prompts each
+bfloat16 checkpoint, with a biased ``in_proj`` (``use_bias``), served with dtype "auto" (conv state
+in bfloat16) at TP 1, five prompts each
 ending a few tokens after a boundary (vLLM 0.32 publishes one state per request, at its last
 boundary); and the hybrids whose layer 0 holds a conv state: a Mamba2 mixer (Nemotron-H, Granite 4.0
 hybrid with its two groups, Zamba2, Falcon-H1 with and without muP multipliers), a Gated DeltaNet
 (Qwen3-Next, Qwen3.5's flat ``in_proj_qkv`` at TP 2, OLMo Hybrid) or LFM2's ShortConv (its rows are
-``B * x``), bfloat16, at the block vLLM chooses, prompts sized in it; and Mamba1 (``x`` of
+``(B + b_B) * (x + b_x)``: ``conv_bias`` on), bfloat16, at the block vLLM chooses, prompts sized in it; and Mamba1 (``x`` of
 ``in_proj``'s ``[x, z]``) in float32 at TP 1 and bfloat16 at TP 2, Falcon-Mamba and Jamba (layer 0
 Mamba, layer 1 attention) in bfloat16, on the shim plugin's CPU scan.
 
@@ -86,7 +87,7 @@ CASES = {case.name: case for case in [
     Case("nemotron-h-tp1", "nemotron-h-tiny", 1, None, 0.01, block=None, shares_clean=True),
     Case("granite-4h-tp1", "granite-4h-tiny", 1, None, 0.01, block=None),
     Case("zamba2-tp1", "zamba2-tiny", 1, None, 0.01, block=None),
-    Case("lfm2-tp1", "lfm2-tiny", 1, None, 0.01, block=None),  # its own engine: its store is planted in
+    Case("lfm2-tp1", "lfm2-tiny-bias", 1, None, 0.01, block=None),  # its own engine: its store is planted in
     Case("falcon-h1-tp1", "falcon-h1-tiny", 1, None, 0.01, block=None, shares_clean=True),
     Case("falcon-h1-mup-tp1", "falcon-h1-mup-tiny", 1, None, 0.01, block=None),
     Case("qwen3-next-tp1", "qwen3-next-tiny", 1, None, 0.01, block=None, shares_clean=True),

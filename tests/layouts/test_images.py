@@ -49,6 +49,39 @@ def test_a_rank_images_are_the_unsharded_images_columns(tmp_path):
     assert _by_hand(tensors, [5], np.arange(24)).shape == (1, 24)
 
 
+def _biased_mamba2(directory, n_groups: int) -> tuple[dict, np.ndarray]:
+    tensors = tiny_mamba2_checkpoint(directory, use_bias=True, n_groups=n_groups)
+    bias = np.random.default_rng(3).standard_normal(len(tensors["backbone.layers.0.mixer.in_proj.weight"]))
+    write_safetensors(directory / "model.safetensors",
+                      {**tensors, "backbone.layers.0.mixer.in_proj.bias": bias.astype(np.float32)})
+    return tensors, bias
+
+
+@pytest.mark.parametrize("n_groups, tp, rank", [(1, 1, 0), (2, 2, 0), (2, 2, 1)])
+def test_a_biased_mamba2_in_proj_adds_its_xbc_bias_to_each_ranks_share(tmp_path, n_groups, tp, rank):
+    """``use_bias``: MambaMixer2's in_proj adds its bias before the conv state takes xBC; with the
+    groups sharded (MergedColumnParallelLinear) a rank's bias rows are its weight rows."""
+    tensors, bias = _biased_mamba2(tmp_path / "m", n_groups)
+    images = token_images(tmp_path / "m", "m", tp, rank)
+    conv_dim = 16 + 2 * n_groups * 4
+    columns = conv_columns(16, n_groups, 4, tp, rank)
+    xbc = tensors["backbone.layers.0.mixer.in_proj.weight"][16:16 + conv_dim][columns]
+    h = tensors["backbone.embeddings.weight"][[3, 7, 30]].astype(np.float64)
+    h = h / np.sqrt((h * h).mean(axis=1, keepdims=True) + 1e-5) * tensors["backbone.layers.0.norm.weight"]
+    expected = h @ xbc.T + bias[16:16 + conv_dim][columns]
+    np.testing.assert_allclose(images.images([3, 7, 30]), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(images.checked_images([3, 7, 30]), expected[:, images.check_columns], rtol=1e-5, atol=1e-5)
+    assert images.source["bias"] == "backbone.layers.0.mixer.in_proj.bias (xBC)"
+
+
+def test_a_biased_mamba2_with_one_group_over_two_ranks_is_not_bound(tmp_path):
+    """vLLM 0.32 gives that in_proj's weight its group-replicating loader, not its bias: no rule."""
+    _biased_mamba2(tmp_path / "m", 1)
+    token_images(tmp_path / "m", "m", 1, 0)
+    with pytest.raises(LayoutError, match="plain column shard"):
+        token_images(tmp_path / "m", "m", 2, 0)
+
+
 def test_bfloat16_and_sharded_checkpoints_read_the_same_numbers(tmp_path):
     tensors = tiny_mamba2_checkpoint(tmp_path / "bf16", bfloat16=True)
     read = Checkpoint(tmp_path / "bf16").tensor("backbone.embeddings.weight")
@@ -226,13 +259,21 @@ def test_a_changed_multiplier_is_a_new_table(tmp_path, monkeypatch):
     np.testing.assert_allclose(after[:, :8], 2 * before[:, :8], rtol=1e-5)  # x's checked columns doubled
 
 
-def test_a_biased_projection_is_not_bound(tmp_path):
+def test_a_biased_lfm2_in_proj_biases_b_and_x_before_their_product(tmp_path, monkeypatch):
+    """``conv_bias``: vLLM's ShortConv in_proj adds its bias to B, C and x; the image is (B + b_B) * (x + b_x)."""
+    monkeypatch.setenv("MOONCAKE_AUDIT_CACHE", str(tmp_path / "cache"))
     rng = np.random.default_rng(5)
     tensors = _lfm2_checkpoint(tmp_path / "lfm2", rng)
-    write_safetensors(tmp_path / "lfm2" / "model.safetensors",
-                      {**tensors, "model.layers.0.conv.in_proj.bias": np.zeros(24, dtype=np.float32)})
-    with pytest.raises(LayoutError, match="bias"):
-        token_images(tmp_path / "lfm2", "lfm2", 1, 0)
+    bias = rng.standard_normal(24).astype(np.float32)
+    write_safetensors(tmp_path / "lfm2" / "model.safetensors", {**tensors, "model.layers.0.conv.in_proj.bias": bias})
+    n = _rms_normed(tensors["model.embed_tokens.weight"][[4, 9, 31]], tensors["model.layers.0.operator_norm.weight"])
+    b, _, x = np.split(n @ tensors["model.layers.0.conv.in_proj.weight"].T + bias, 3, axis=1)
+    for tp, rank, columns in ((1, 0, range(8)), (2, 1, range(4, 8))):
+        images = token_images(tmp_path / "lfm2", "lfm2", tp, rank)
+        expected = (b * x)[:, list(columns)]
+        np.testing.assert_allclose(images.images([4, 9, 31]), expected, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(images.table[[4, 9, 31]], expected[:, images.check_columns], rtol=1e-4, atol=1e-5)
+        assert images.source["bias"] == "model.layers.0.conv.in_proj.bias (B, x)"
 
 
 HEAD = 4  # the tiny Llama's head_dim

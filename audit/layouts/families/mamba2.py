@@ -146,21 +146,29 @@ def _mamba2_rule(config: dict, checkpoint, model: str, tp_size: int, tp_rank: in
     Falcon-H1 each ``xBC`` column (`xbc_scale`, over the unsharded columns: its rows scaled)."""
     n_groups, state_size = config_int(config, groups), config_int(config, state)
     embeddings = checkpoint.first(*embeddings)
-    if in_proj.replace(".weight", ".bias") in checkpoint:
-        raise LayoutError(f"{in_proj}: a biased in_proj has no image rule yet (not bound)")
     weight = checkpoint.tensor(in_proj)
     conv_dim = intermediate + 2 * n_groups * state_size
     d_mlp = (weight.shape[0] - intermediate - conv_dim - config_int(config, heads)) // 2
     if d_mlp < 0:
         raise LayoutError(f"{in_proj} has {weight.shape[0]} rows: fewer than z, xBC and dt need")
-    xbc = weight[2 * d_mlp + intermediate: 2 * d_mlp + intermediate + conv_dim]
-    if xbc_scale is not None:
-        xbc = xbc * xbc_scale[:, None]
+    xbc_rows = slice(2 * d_mlp + intermediate, 2 * d_mlp + intermediate + conv_dim)
+    xbc = weight[xbc_rows]
     columns = conv_columns(intermediate, n_groups, state_size, tp_size, tp_rank)
+    source = {"embeddings": embeddings, "norm": norm, "projection": in_proj + " (xBC)"}
+    bias_name, bias = in_proj.replace(".weight", ".bias"), None
+    if bias_name in checkpoint:  # (``use_bias``: MambaMixer2's in_proj adds it before the conv sees xBC)
+        if tp_size > 1 and n_groups % tp_size:
+            raise LayoutError(f"{bias_name}: with one group replicated over TP {tp_size}, vLLM 0.32 loads the bias "
+                              f"as a plain column shard, not as the weight's rows (no image rule: not bound)")
+        bias = checkpoint.tensor(bias_name)[xbc_rows]
+        source["bias"] = bias_name + " (xBC)"
+    if xbc_scale is not None:  # (the projection's output scaled: its bias with it)
+        xbc = xbc * xbc_scale[:, None]
+        bias = None if bias is None else bias * xbc_scale
     return TokenImages(model, tp_size, tp_rank, checkpoint.matrix(embeddings), checkpoint.tensor(norm),
                        float(config.get(eps, 1e-5)), np.ascontiguousarray(xbc[columns]), embedding_scale,
-                       source={"embeddings": embeddings, "norm": norm, "projection": in_proj + " (xBC)"},
-                       checkpoint=checkpoint.identity)
+                       bias=None if bias is None else np.ascontiguousarray(bias[columns], dtype=np.float32),
+                       source=source, checkpoint=checkpoint.identity)
 
 
 def _mamba2_images(config: dict, checkpoint, model: str, tp_size: int, tp_rank: int) -> TokenImages:

@@ -39,19 +39,23 @@ def _lfm2_images(config: dict, checkpoint, model: str, tp_size: int, tp_rank: in
     its conv columns are its share of ``conv_dim``, and its image is its B rows' times its x rows'."""
     dim = _conv_dim(config)
     in_proj = "model.layers.0.conv.in_proj.weight"  # HF's name (vLLM renames .conv. to .short_conv.)
-    if in_proj.replace(".weight", ".bias") in checkpoint:
-        raise LayoutError(f"{in_proj}: a biased in_proj has no image rule yet (not bound)")
     weight = checkpoint.tensor(in_proj)
     if weight.shape[0] != 3 * dim or dim % tp_size:
         raise LayoutError(f"{in_proj} has {weight.shape[0]} rows, not B, C, x of {dim} sharded over TP {tp_size}")
     share = dim // tp_size
     columns = np.arange(tp_rank * share, (tp_rank + 1) * share)
     embeddings, norm = "model.embed_tokens.weight", "model.layers.0.operator_norm.weight"
+    source = {"embeddings": embeddings, "norm": norm, "projection": in_proj + " (B * x)"}
+    bias_name, bias = in_proj.replace(".weight", ".bias"), None
+    if bias_name in checkpoint:  # (``conv_bias``: B and x each biased before their product)
+        bias = np.asarray(checkpoint.tensor(bias_name), dtype=np.float32)
+        source["bias"] = bias_name + " (B, x)"
     return TokenImages(model, tp_size, tp_rank, checkpoint.matrix(embeddings), checkpoint.tensor(norm),
                        float(config.get("norm_eps", 1e-5)), np.ascontiguousarray(weight[2 * dim + columns]),
                        gate=np.ascontiguousarray(weight[columns]),
-                       source={"embeddings": embeddings, "norm": norm, "projection": in_proj + " (B * x)"},
-                       checkpoint=checkpoint.identity)
+                       bias=None if bias is None else np.ascontiguousarray(bias[2 * dim + columns]),
+                       gate_bias=None if bias is None else np.ascontiguousarray(bias[columns]),
+                       source=source, checkpoint=checkpoint.identity)
 
 
 LFM2 = Family("lfm2", _lfm2, token_images=_lfm2_images)
