@@ -19,7 +19,7 @@ bucket was written after the directories were indexed, is read from its old buck
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import xxhash
@@ -257,7 +257,7 @@ class DiskCopies:
         self.compared += row["status"] == "ok"
         self.divergent += not before and Verdict.REPLICA_DIVERGENT in record.verdicts
 
-    def unlisted_copy(self, record: KeyRecord) -> None:
+    def unlisted_copy(self, record: KeyRecord) -> dict | None:
         """A copy on disk of a key the master lists with no disk replica (`record`: the key as read
         from memory). A holder offloads a key once: one removed and put again keeps its first value's
         copy, which the master no longer lists and a restart of the holder registers again, in place
@@ -265,17 +265,26 @@ class DiskCopies:
         read; not a finding: a producer that computed the value again may differ in its last bits."""
         value = self.stored(record.key)
         if value is None or record.xxh3 is None:
-            return
+            return None
         if _disk_sizes(query_answers(self.admin, [record.key]).get(record.key)):
-            return  # listed on disk by now: offloaded while it was read
+            return None  # listed on disk by now: offloaded while it was read
         row = self._read(value)
-        if row["status"] == "ok":
-            self.latent.append({"key": record.key, "file": row["file"], "offset": row["offset"], "size": row["size"],
-                                "xxh3": row["xxh3"], "memory_xxh3": f"{record.xxh3:016x}"})
+        if row["status"] != "ok":
+            return None
+        self.latent.append({"key": record.key, "file": row["file"], "offset": row["offset"], "size": row["size"],
+                            "xxh3": row["xxh3"], "memory_xxh3": f"{record.xxh3:016x}"})
+        return self.latent[-1]
 
     def stored(self, name: str) -> StoredValue | None:
         """Where the directories, as last indexed, hold the default-tenant key `name`'s value."""
         return self.index.get(stored_key(DEFAULT_TENANT, name))
+
+    def default_values(self) -> Iterator[tuple[str, StoredValue]]:
+        """The default tenant's values in the directories, as last indexed, by key name."""
+        default = DEFAULT_TENANT.encode() + b"\0"
+        for stored, value in self.index.items():
+            if stored.startswith(default):
+                yield stored[len(default):].decode("utf-8", "surrogateescape"), value
 
     def _read(self, value: StoredValue) -> dict:
         row = {"tier": "local_disk", "file": str(value.path), "offset": value.value_offset, "size": value.size,
@@ -306,16 +315,13 @@ class DiskCopies:
         the master does not know (asked again); other tenants' values are counted only (the admin
         API answers for the default tenant)."""
         self.index = index_directories(self.directories)
-        default = DEFAULT_TENANT.encode() + b"\0"
         candidates: dict[str, StoredValue] = {}
-        other_tenants = 0
-        for stored, value in self.index.items():
-            if not stored.startswith(default):
-                other_tenants += 1
-                continue
-            name = stored[len(default):].decode("utf-8", "surrogateescape")
+        default = 0
+        for name, value in self.default_values():
+            default += 1
             if name not in listed and key_filter(name):
                 candidates[name] = value
+        other_tenants = len(self.index) - default
         answers = query_answers(self.admin, candidates)
         gone = sorted(name for name in candidates if _disk_sizes(answers.get(name, {"error": "OBJECT_NOT_FOUND"})) is None)
         return {"values": len(gone), "other_tenants_values": other_tenants,

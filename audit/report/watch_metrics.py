@@ -72,6 +72,11 @@ class WatchMetrics:
         self.keys_unreachable = Gauge("mooncake_audit_watch_keys_unreachable",
                                       "Keys the last round could not read (retried next round).", registry=registry)
         self.master_up = Gauge("mooncake_audit_watch_master_up", "1 while the master answers.", registry=registry)
+        self.disk_copies_latent = Gauge("mooncake_audit_watch_disk_copies_not_listed",
+                                        "Copies in the offload directories of keys listed with no disk copy "
+                                        "(a restart of the holder registers them again).", registry=registry)
+        self.disk_copies_latent_unlike = Gauge("mooncake_audit_watch_disk_copies_not_listed_unlike_memory",
+                                               "Of those, copies unlike the bytes in memory.", registry=registry)
         self.rounds = Counter("mooncake_audit_watch_rounds", "Rounds completed.", registry=registry)
         self.last_round = Gauge("mooncake_audit_watch_last_round_timestamp_seconds",
                                 "When the last round completed.", registry=registry)

@@ -37,6 +37,7 @@ from audit.judge.purged import PurgedKeys
 from audit.readers.disk import DiskReader
 from audit.readers.throttle import ThrottledReader
 from audit.records import KeyInfo, KeyRecord, Verdict
+from audit.report.inert import printable
 from audit.report.watch_metrics import MetricsServer, WatchMetrics
 from audit.run.options import ScanOptions
 from audit.run.orchestrator import enable_writer_checksum
@@ -282,7 +283,7 @@ class Watcher:
         state.add_new({name: table.size(row) for name, row in listed.items() if name not in known}, now)
         state.forget(known - listed.keys())
         if self.disk_copies is not None:
-            state.unverify(self.disk_copies.changed(table.unusual()[1], state))  # read again: copies changed
+            state.unverify(self.disk_copies.changed(table, listed, state))  # read again: copies changed
         named = self.feed.poll(self.scan.plan)
         state.unverify(named)  # a key named by a new record: judged again now
         self._pending = {name: until for name, until in self._pending.items() if name not in listed}
@@ -440,7 +441,13 @@ class Watcher:
         if keys and not stop.is_set():
             self._scan(keys, self._reader_for(admin, keys), stop, watch, records, read_at)
         if self.disk_copies is not None:
-            self.disk_copies.compare(records, by_name)
+            for row in self.disk_copies.compare(records, by_name):
+                self.log(f"watch: on disk but not listed for its key: {printable(row['key'], 200)} ({row['file']} at "
+                         f"{row['offset']}), unlike the bytes in memory: a restart of its holder registers it again "
+                         f"in their place")
+            latent = self.disk_copies.latent.values()
+            self.metrics.disk_copies_latent.set(len(latent))
+            self.metrics.disk_copies_latent_unlike.set(sum(row["xxh3"] != row["memory_xxh3"] for row in latent))
         earlier = state.same_content(records)
         if hasattr(self._reader, "confirm") and not watch.lost:  # a peek reader's second read (disk-only: leased)
             confirm_shared(records + earlier, self._reader)

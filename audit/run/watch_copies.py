@@ -2,6 +2,12 @@
 with its memory copy, as `check` compares it (`audit.readers.disk.DiskCopies`): REPLICA_DIVERGENT
 when they differ, whichever is right, reported once like every watch finding.
 
+A key listed with no disk copy whose copy a directory still holds (the bucket backend offloads a
+key once: a key removed and put again keeps its first value's copy, which a restart of the holder
+registers in place of memory's) is read again when it becomes such a key, or its copy or memory
+replicas change, and its copy named (`latent`): a line in the log when it is unlike the bytes in
+memory, and two gauges. Not a finding, as in `check` (docs/read-modes.md).
+
 A watcher runs forever, so the copies are not compared every round. A both-tier key's disk copy is
 read and compared whenever the key itself is read (new, re-verified once a period, named by a
 record), and a key whose copies changed since they were last compared is read again at once. To
@@ -15,13 +21,14 @@ before as they are, unread: a change made while no watcher ran is found at the k
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from audit.connection import AdminClient
 from audit.readers.disk import DiskCopies, in_both_tiers
 from audit.records import KeyInfo, KeyRecord
 from audit.run.watch_state import WatchState
+from audit.sources.keytable import KeyTable
 
 
 class DiskCopyWatch:
@@ -34,33 +41,57 @@ class DiskCopyWatch:
         self.copies: DiskCopies | None = None  # the directories as this round indexed them
         self._compared: dict[str, tuple] = {}  # name: its copies' fingerprint when they were last compared
         self._listed_before = False            # whether a round's listing came here before
+        self.latent: dict[str, dict] = {}      # name: its copy no master lists (`DiskCopies.unlisted_copy`'s row)
+        self._looked: dict[str, tuple] = {}    # name: its fingerprint when a copy no master lists was last looked at
 
-    def changed(self, listed: Iterable[KeyInfo], state: WatchState) -> set[str]:
-        """The directories indexed afresh; the both-tier keys among `listed` whose copies changed
-        since they were last compared (at a watcher's first round: those its state never verified)."""
+    def changed(self, table: KeyTable, rows_by_name: Mapping[str, int], state: WatchState) -> set[str]:
+        """The directories indexed afresh; the both-tier keys of the listing whose copies changed
+        since they were last compared (at a watcher's first round: those its state never verified),
+        and the keys listed with no disk copy whose copy a directory holds, new or changed."""
         self.copies = DiskCopies(self.admin, self.directories)
         mtimes: dict[Path, int | None] = {}
-        now = {key.name: self._fingerprint(key, mtimes) for key in listed if in_both_tiers(key)}
+        on_disk = [key for key in table.unusual()[1]
+                   if any(replica.get("tier") == "local_disk" for replica in key.replicas)]
+        now = {key.name: self._fingerprint(key, mtimes) for key in on_disk if in_both_tiers(key)}
         now = {name: copies for name, copies in now.items() if copies is not None}
         if not self._listed_before:
             self._compared.update({record.key: now[record.key] for record in state.stored(now)})
             self._listed_before = True
         self._compared = {name: copies for name, copies in self._compared.items() if name in now}
-        return {name for name, copies in now.items() if self._compared.get(name) != copies}
+        listed_on_disk = {key.name for key in on_disk}
+        unlisted_copies = {name: self._fingerprint(table.info(rows_by_name[name]), mtimes)
+                           for name, _ in self.copies.default_values()
+                           if name in rows_by_name and name not in listed_on_disk}
+        self._looked = {name: copies for name, copies in self._looked.items() if name in unlisted_copies}
+        self.latent = {name: row for name, row in self.latent.items() if name in unlisted_copies}
+        return ({name for name, copies in now.items() if self._compared.get(name) != copies}
+                | {name for name, copies in unlisted_copies.items() if self._looked.get(name) != copies})
 
-    def compare(self, records: Iterable[KeyRecord], keys: dict[str, KeyInfo]) -> None:
+    def compare(self, records: Iterable[KeyRecord], keys: dict[str, KeyInfo]) -> list[dict]:
         """The disk copies of the both-tier keys among `records` (read from memory this round),
-        judged against the bytes read."""
+        judged against the bytes read; and the copies of the keys listed with none, named. The
+        copies named now that are unlike the bytes in memory and were not so before."""
+        named = []
         for record in records:
             key = keys.get(record.key)
-            if key is None or record.xxh3 is None or not in_both_tiers(key):
+            if key is None or record.xxh3 is None:
                 continue
             if self.copies is None:  # a record round before the first listing
                 self.copies = DiskCopies(self.admin, self.directories)
-            self.copies.compare(record, key)
-            copies = self._fingerprint(key, {})
-            if copies is not None:
-                self._compared[record.key] = copies
+            if in_both_tiers(key):
+                self.copies.compare(record, key)
+                if (copies := self._fingerprint(key, {})) is not None:
+                    self._compared[record.key] = copies
+            elif not any(replica.get("tier") == "local_disk" for replica in key.replicas) \
+                    and (copies := self._fingerprint(key, {})) is not None:
+                self._looked[record.key] = copies
+                before, row = self.latent.pop(record.key, None), self.copies.unlisted_copy(record)
+                if row is not None:
+                    self.latent[record.key] = row
+                    if row["xxh3"] != row["memory_xxh3"] and (before is None or before["xxh3"] != row["xxh3"]
+                                                               or before["memory_xxh3"] != row["memory_xxh3"]):
+                        named.append(row)
+        return named
 
     def _fingerprint(self, key: KeyInfo, mtimes: dict[Path, int | None]) -> tuple | None:
         """What changes when either copy does; None when no directory here holds the disk copy."""

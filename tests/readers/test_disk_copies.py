@@ -114,7 +114,7 @@ def test_a_value_on_disk_that_no_master_lists_is_named(tiered):
     assert "disk copies (--offload-dir): 7 compared with memory, 0 divergent" in human.stdout
 
 
-def _put_again(cluster: LocalCluster, values: dict[str, bytes]) -> None:
+def put_again(cluster: LocalCluster, values: dict[str, bytes]) -> None:
     """`values`' keys removed by the application and put again with `values`, on the offloading holder."""
     store = open_store(settings_for(cluster))
     try:
@@ -137,7 +137,7 @@ def test_a_key_put_again_keeps_its_first_copy_on_disk_which_a_holder_restart_ser
         holder = cluster.running_holders[0]
         changed, same = "again/2", "again/5"
         second = {**first, changed: os.urandom(VALUE_BYTES)}
-        _put_again(cluster, {changed: second[changed], same: second[same]})
+        put_again(cluster, {changed: second[changed], same: second[same]})
         assert cluster.tiers([changed, same]) == {changed: {"memory"}, same: {"memory"}}
 
         args = [*cli_args(cluster), "--prefix", "again/", "--all", "--offload-dir", str(holder.offload_dir)]
@@ -176,7 +176,7 @@ def test_the_file_per_key_backend_offloads_a_key_put_again_anew(tmp_path):
     with LocalCluster(holders=1, segment_mb=64, offload=True, backend="file_per_key", log_dir=tmp_path) as cluster:
         fill(cluster, "again")
         changed = "again/2"
-        _put_again(cluster, {changed: os.urandom(VALUE_BYTES)})
+        put_again(cluster, {changed: os.urandom(VALUE_BYTES)})
         assert cluster.tiers([changed]) == {changed: {"memory", "local_disk"}}
         code, document = scan_json([*cli_args(cluster), "--prefix", "again/", "--read-mode", "peek",
                                     "--offload-dir", str(cluster.running_holders[0].offload_dir)])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 import pytest
@@ -21,7 +22,7 @@ from audit.cluster import LocalCluster
 from audit.readers.buckets import stored_key
 from audit.readers.offload_index import index_directories
 from tests.helpers import run_cli
-from tests.readers.test_disk_copies import BUCKET_KEYS, VALUE_BYTES, cli_args, fill
+from tests.readers.test_disk_copies import BUCKET_KEYS, VALUE_BYTES, put_again, cli_args, fill
 from tests.run.test_watch import watchers  # noqa: F401  (the fixture)
 
 PURGED, ZERO, WENT_BAD = "tiered/1", "tiered/6", "tiered/3"
@@ -106,3 +107,33 @@ def test_watch_flags_a_both_tier_key_whose_disk_copy_changed_once(watchers, tmp_
     assert found["evidence"]["replica_divergent"]["tiers"] == {"local_disk": [disk], "memory": [memory]}
     (disk_row,) = [row for row in found["evidence"]["replicas"] if row.get("tier") == "local_disk"]
     assert (disk_row["file"], disk_row["offset"]) == (str(stored.path), stored.value_offset)
+
+
+def test_watch_names_a_copy_no_master_lists_once_a_key_is_put_again(watchers, tmp_path):  # noqa: F811
+    """A key removed and put again with other bytes stays in memory only, its first value's copy
+    still in its bucket (the bucket backend offloads a key once): the watcher reads the key again at
+    once, names the copy in one log line and two gauges, and flags nothing."""
+    with LocalCluster(holders=1, segment_mb=64, offload=True, bucket_keys=BUCKET_KEYS, log_dir=tmp_path) as cluster:
+        values = fill(cluster, "again")
+        offload_dir = cluster.running_holders[0].offload_dir
+        watcher = watchers(cli_args(cluster), "again/", tmp_path / "state", "--read-mode", "peek",
+                           "--offload-dir", str(offload_dir), "--period", "1h")
+        metrics = watcher.wait_for(lambda m: m.get("mooncake_audit_watch_keys_verified_within_period") == len(values),
+                                   timeout_s=60)
+        assert metrics["mooncake_audit_watch_disk_copies_not_listed"] == 0
+        changed = "again/3"
+        put_again(cluster, {changed: os.urandom(VALUE_BYTES)})
+        metrics = watcher.wait_for(lambda m: m.get("mooncake_audit_watch_disk_copies_not_listed_unlike_memory") == 1,
+                                   timeout_s=30)
+        assert metrics["mooncake_audit_watch_disk_copies_not_listed"] == 1 and metrics["mooncake_audit_findings"] == 0
+        rounds = metrics["mooncake_audit_watch_rounds_total"]
+        watcher.wait_for(lambda m: m["mooncake_audit_watch_rounds_total"] >= rounds + 3)  # named once, not again
+        watcher.process.send_signal(signal.SIGTERM)
+        _, stderr = watcher.process.communicate(timeout=15)
+        assert watcher.process.returncode == 0
+    named = [line for line in stderr.decode().splitlines() if "on disk but not listed for its key" in line]
+    stored = index_directories([offload_dir])[stored_key("default", changed)]
+    assert named == [f"watch: on disk but not listed for its key: {changed} ({stored.path} at {stored.value_offset}), "
+                     "unlike the bytes in memory: a restart of its holder registers it again in their place"]
+    assert not (tmp_path / "state" / "findings.jsonl").exists() or \
+        (tmp_path / "state" / "findings.jsonl").read_text() == ""
