@@ -48,6 +48,7 @@ UNIT_TESTS = {
                 {"series": "mooncake_audit_watch_keys_known", "values": "10x90"},
                 {"series": "mooncake_audit_watch_keys_not_yet_verified", "values": "2x90"},
                 {"series": "mooncake_audit_watch_keys_verified_within_period", "values": "5x90"},
+                {"series": "mooncake_audit_watch_disk_copies_not_listed_unlike_memory", "values": "1x90"},
             ],
             "alert_rule_test": [
                 {"eval_time": "6m", "alertname": "MooncakeAuditWatchStalled",
@@ -55,6 +56,9 @@ UNIT_TESTS = {
                 {"eval_time": "11m", "alertname": "MooncakeAuditWatchNewKeysUnverified",
                  "exp_alerts": [{"exp_labels": {"severity": "warning"}}]},
                 {"eval_time": "61m", "alertname": "MooncakeAuditWatchBehindPeriod",
+                 "exp_alerts": [{"exp_labels": {"severity": "warning"}}]},
+                {"eval_time": "30m", "alertname": "MooncakeStoreDiskCopiesNotListed", "exp_alerts": []},
+                {"eval_time": "61m", "alertname": "MooncakeStoreDiskCopiesNotListed",
                  "exp_alerts": [{"exp_labels": {"severity": "warning"}}]},
             ],
         },
