@@ -521,6 +521,43 @@ def _coverage_section(summary: dict) -> str:
             f"{f'<ul>{gaps}</ul>' if gaps else ''}{tenants}</section>")
 
 
+OFFLOAD_NAMED = 20  # values named one by one in the SSD tier section (the JSON names up to 100)
+
+
+def _offload_section(summary: dict) -> str:
+    """The SSD tier read from the holders' offload directories (`--offload-dir`): disk copies
+    compared with memory, values no master lists, and the copies no master lists of keys put again
+    (docs/read-modes.md)."""
+    offload = summary.get("offload")
+    if offload is None:
+        return ""
+    parts = [f"<p>{offload['disk_copies_compared']:,} disk copies compared with memory, "
+             f"{offload['disk_copies_divergent']:,} divergent"
+             + (f", {offload['disk_copies_elsewhere']:,} on other hosts' disks, not compared"
+                if offload["disk_copies_elsewhere"] else "") + "</p>"]
+    unlisted = offload.get("unlisted")
+    if unlisted and unlisted["values"]:
+        rows = "".join(f'<tr><td class="key">{inert_html(value["key"], KEY_SHOWN)}</td><td>{inert_html(value["file"], 200)}'
+                       f"</td><td>{value['offset']:,}</td><td>{value['size']:,}</td></tr>"
+                       for value in unlisted["named"][:OFFLOAD_NAMED])
+        parts.append(f"<h3>On disk, listed by no master ({unlisted['values']:,})</h3><p>Removed keys whose SSD copy "
+                     f"stays: a restart of the holder registers them again.</p><table><thead><tr><th>key</th>"
+                     f"<th>file</th><th>offset</th><th>size</th></tr></thead><tbody>{rows}</tbody></table>")
+    latent = offload.get("latent")
+    if latent and latent["copies"]:
+        rows = "".join(f'<tr><td class="key">{inert_html(row["key"], KEY_SHOWN)}</td><td>{inert_html(row["file"], 200)}'
+                       f"</td><td>{row['offset']:,}</td><td>{_yes_no(row['xxh3'] != row['memory_xxh3'])}</td>"
+                       f'<td class="mono">{inert_html(row["xxh3"])}</td><td class="mono">{inert_html(row["memory_xxh3"])}</td></tr>'
+                       for row in latent["named"][:OFFLOAD_NAMED])
+        parts.append(f"<h3>On disk, not listed for their key ({latent['copies']:,}, "
+                     f"{latent['unlike_memory']:,} unlike memory)</h3><p>Keys put again keep their first value's "
+                     f"copy (Mooncake's bucket offload writes a key once), which a restart of the holder serves in "
+                     f"place of the bytes in memory. Not findings.</p><table><thead><tr><th>key</th><th>file</th>"
+                     f"<th>offset</th><th>unlike memory</th><th>disk xxh3</th><th>memory xxh3</th></tr></thead>"
+                     f"<tbody>{rows}</tbody></table>")
+    return f'<section id="offload"><h2>SSD tier</h2>{"".join(parts)}</section>'
+
+
 def _unread_section(document: dict) -> str:
     """Why a scan is incomplete: the unread keys when the report lists every key (`--all`)."""
     unread_count = document["summary"].get("keys_unread", 0)
@@ -559,7 +596,7 @@ def render_html(document: dict) -> str:
         f"mooncake-audit: {word} - {inert_html(master, 80)}",
         f'<h1>mooncake-audit report <span class="mono">{inert_html(master, 80)}</span></h1>'
         f'<p class="lead"><span class="status status-{word}">{word.upper()}</span>{sentence}</p>'
-        f"{_summary_section(summary)}{_coverage_section(summary)}{_heatmap_section(findings)}"
+        f"{_summary_section(summary)}{_coverage_section(summary)}{_offload_section(summary)}{_heatmap_section(findings)}"
         f"{_charts_section(summary, findings)}"
         f"{_findings_section(findings)}{_shared_section(document.get('shared_groups') or [])}"
         f"{_unread_section(document)}")

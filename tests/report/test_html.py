@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from audit.errors import AuditError
-from audit.report.html import HEATMAP_MAX_ROWS, STATE_COLOURS, render_html, write_html
+from audit.report.html import HEATMAP_MAX_ROWS, STATE_COLOURS, inert_html, render_html, write_html
 from audit.report.inert import printable
 
 SCHEMA = json.loads(resources.files("audit").joinpath("schemas/report.schema.json").read_text())
@@ -191,6 +191,28 @@ def test_hostile_key_names_render_as_text():
         assert printable(key) in text
     row_keys = {row["key"] for heatmap in page.heatmaps for row in heatmap["rows"]}
     assert row_keys == {printable(key) for key in HOSTILE_KEYS + [HOSTILE_KEYS[0] + "-vllm"]}
+
+
+def test_the_ssd_tier_section_names_unlisted_values_and_latent_copies_as_text():
+    hostile = HOSTILE_KEYS[1]
+    offload = {"directories": ["/mnt/nvme/offload"], "disk_copies_compared": 7, "disk_copies_divergent": 1,
+               "disk_copies_elsewhere": 0,
+               "unlisted": {"values": 1, "other_tenants_values": 0,
+                            "named": [{"key": "copies/2", "file": "/mnt/nvme/offload/1.bucket", "offset": 9, "size": 256}]},
+               "latent": {"copies": 2, "unlike_memory": 1, "named": [
+                   {"key": hostile, "file": "/mnt/nvme/offload/2.bucket", "offset": 262_153, "size": 256,
+                    "xxh3": "00000000000000aa", "memory_xxh3": "00000000000000bb"},
+                   {"key": "again/5", "file": "/mnt/nvme/offload/3.bucket", "offset": 9, "size": 256,
+                    "xxh3": "00000000000000cc", "memory_xxh3": "00000000000000cc"}]}}
+    page_text = render_html(report([], offload=offload))
+    assert "<img" not in page_text and "&lt;img src=x onerror=alert(1)&gt;" in page_text
+    text = " ".join(Page(page_text).text)
+    assert "7 disk copies compared with memory, 1 divergent" in text
+    assert "On disk, listed by no master (1)" in text and "copies/2" in text
+    assert "On disk, not listed for their key (2, 1 unlike memory)" in text
+    rows = re.findall(r'<tr><td class="key">(.*?)</td><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td>', page_text)
+    assert [(key, unlike) for key, _, _, unlike in rows[1:]] == [(inert_html(hostile, 512), "yes"), ("again/5", "no")]
+    assert "SSD tier" not in render_html(report([]))  # no --offload-dir: no section
 
 
 def test_heat_map_has_a_row_per_flagged_key_and_a_column_per_layer():
