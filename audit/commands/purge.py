@@ -27,21 +27,28 @@ def purge(
     log: Annotated[Optional[Path], typer.Option("--log", help="Append every outcome here (JSONL).",
                                                 show_default="purge-log.jsonl beside the evidence")] = None,
     offload_dir: OffloadDir = None,
+    stale_disk_copies: Annotated[bool, typer.Option(
+        "--stale-disk-copies", help="Instead of removing keys, take out of --offload-dir the SSD copies the report "
+        "names as listed for no key and unlike the bytes in memory (a key put again keeps its first copy, which a "
+        "holder restart serves); the keys stay.")] = False,
     **options,
 ) -> None:
     """Remove flagged keys: dry run unless --yes; evidence saved first; keys changed since the scan
     are never removed. With --offload-dir (a holder's SSD tier on this host), disk-only keys are read
     from its files and a removed key's disk copies are taken out of them, so that a holder restart
-    does not bring the key back. Exit codes: 0 done, 2 could not run, 3 some keys were not removed,
-    or a removed key's disk copy remains."""
+    does not bring the key back; with --stale-disk-copies, only the report's stale SSD copies are.
+    Exit codes: 0 done, 2 could not run, 3 some keys (or copies) were not removed, or a removed
+    key's disk copy remains."""
     from datetime import datetime, timezone
 
     from audit.forensics.purge import purge as run_purge
     from audit.forensics.purge import targets_from_report, write_log
+    from audit.forensics.stale_copies import stale_copies_of_report, take_out_stale_copies
     from audit.report.json_report import JsonSink
 
-    if report_path is None and not verdict:
-        raise fail("give a REPORT, or --verdict V to purge what a scan of the live cluster flags")
+    if report_path is None and (stale_disk_copies or not verdict):
+        raise fail("give a REPORT" + ("" if stale_disk_copies else ", or --verdict V to purge what a scan of the live "
+                                                                    "cluster flags"))
     connection = pick(dict(options), connection_options)
     try:
         with tempfile.TemporaryDirectory(prefix="mooncake-audit-purge-") as work:
@@ -49,13 +56,17 @@ def purge(
                 report_path = Path(work) / "scan.json"
                 scan_report(options, False, None, lambda: JsonSink(report_path), **pick(options, key_options),
                             device="cpu", read_mode="peek")  # no leases: the removals that follow are not refused
-            targets = targets_from_report(report_path, verdict or ())
             stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
             evidence = evidence or Path(f"mooncake-audit-evidence-{stamp}")
             log = log or evidence / "purge-log.jsonl"
-            outcomes = run_purge(resolve_settings(**connection), targets, execute=yes, force=force,
-                                 evidence_dir=evidence if yes else None, offload_dirs=tuple(offload_dir or ()),
-                                 on_outcome=_print_outcome)
+            if stale_disk_copies:
+                outcomes = take_out_stale_copies(resolve_settings(**connection), stale_copies_of_report(report_path),
+                                                 tuple(offload_dir or ()), execute=yes,
+                                                 evidence_dir=evidence if yes else None, on_outcome=_print_outcome)
+            else:
+                outcomes = run_purge(resolve_settings(**connection), targets_from_report(report_path, verdict or ()),
+                                     execute=yes, force=force, evidence_dir=evidence if yes else None,
+                                     offload_dirs=tuple(offload_dir or ()), on_outcome=_print_outcome)
             if yes:
                 write_log(log, outcomes)
     except AuditError as error:
@@ -69,7 +80,8 @@ def purge(
         typer.echo(f"{len(remains)} removed key(s) keep a disk copy that a holder restart brings back; on each "
                    f"holder's host run this purge again with --offload-dir (its MOONCAKE_OFFLOAD_FILE_STORAGE_PATH)",
                    err=True)
-    raise typer.Exit(0 if set(counts) <= {"would-remove", "removed", "gone"} and not remains else 3)
+    done = {"would-remove", "removed", "gone", "would-take-out", "taken-out", "listed"}
+    raise typer.Exit(0 if set(counts) <= done and not remains else 3)
 
 
 def _print_outcome(outcome) -> None:

@@ -32,7 +32,7 @@ QUARANTINE = "disk-copies"  # under the evidence directory
 DEFAULT_TENANT = "default"
 
 
-def _value_bytes(value: StoredValue) -> bytes:
+def value_bytes(value: StoredValue) -> bytes:
     with open(value.path, "rb") as stored:
         record = os.pread(stored.fileno(), len(value.head) + value.size, value.offset)
     if len(record) != len(value.head) + value.size or not record.startswith(value.head):
@@ -72,7 +72,7 @@ def quarantine(directories: Iterable[Path], names: Iterable[str], evidence_dir: 
 
 def _evidence(value: StoredValue, blob: Path, evidence_dir: Path) -> dict:
     """The value's bytes written to `blob`; the row that says where they came from and went."""
-    data = _value_bytes(value)
+    data = value_bytes(value)
     write_atomically(blob, gzip.compress(data, compresslevel=1))
     return {"file": str(value.path), "offset": value.value_offset, "size": value.size,
             "xxh3": xxhash.xxh3_64_hexdigest(data), "evidence": str(blob.relative_to(evidence_dir))}

@@ -63,3 +63,15 @@ def test_live_purge_by_verdict_and_arguments(publisher, settings, cli_args, name
     assert _listed(settings, namespace) == [namespace + "fine"]
     assert run_cli("purge", *cli_args).exit_code == 2
     assert "not a finding verdict" in run_cli("purge", "--verdict", "VANISHED", *cli_args, "--prefix", namespace).stderr
+
+
+def test_stale_disk_copies_need_a_report_of_a_scan_with_offload_directories(publisher, cli_args, namespace, tmp_path):
+    publisher.put(namespace + "fine", b"\x03" * 1000)
+    assert "give a REPORT" in run_cli("purge", "--stale-disk-copies", "--verdict", "ZERO_VALUE", *cli_args).stderr
+    report = tmp_path / "scan.json"
+    scanned = run_cli("scan", *cli_args, "--prefix", namespace, "--format", "json", "--output", str(report),
+                      "--no-progress")
+    assert scanned.exit_code == 0, scanned.output
+    refused = run_cli("purge", str(report), "--stale-disk-copies", *cli_args, "--offload-dir", str(tmp_path))
+    assert refused.exit_code == 2 and refused.stdout == ""
+    assert refused.stderr.strip().endswith("reports no offload directory: scan with --offload-dir first")

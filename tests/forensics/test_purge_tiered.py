@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 
 import xxhash
 
@@ -25,6 +26,7 @@ from tests.readers.test_disk_copies import (
     VALUE_BYTES,
     cli_args,
     fill,
+    put_again,
     remove,
 )
 
@@ -150,3 +152,48 @@ def test_a_purged_key_file_stays_gone_after_a_holder_restart(tmp_path):
         for key, record in records.items():  # read from the key files, lease-free
             assert record["xxh3"] == f"{xxhash.xxh3_64_intdigest(values[key]):016x}", key
             assert record["evidence"]["replicas"][0]["file"].startswith(str(offload_dir)), key
+
+
+def test_a_stale_disk_copy_of_a_key_put_again_is_taken_out_and_the_key_stays(tmp_path):
+    """A key removed and put again with other bytes keeps its first value's copy in its bucket, which
+    a restart of the holder would serve in place of memory's. `purge REPORT --stale-disk-copies
+    --offload-dir DIR --yes` takes that copy out (its bytes saved first) and leaves the key and a
+    copy that holds memory's bytes; after a restart the key is not served its first value."""
+    with LocalCluster(holders=1, segment_mb=64, offload=True, bucket_keys=BUCKET_KEYS, client_ttl_s=3,
+                      log_dir=tmp_path) as cluster:
+        first = fill(cluster, "stale")
+        holder = cluster.running_holders[0]
+        changed, same = "stale/2", "stale/5"
+        second = {changed: os.urandom(VALUE_BYTES), same: first[same]}
+        put_again(cluster, second)
+        report = tmp_path / "scan.json"
+        scanned = run_cli("scan", *cli_args(cluster), "--prefix", "stale/", "--read-mode", "peek", "--offload-dir",
+                          str(holder.offload_dir), "--format", "json", "--output", str(report), "--no-progress")
+        assert scanned.exit_code == 0, scanned.output
+        args = [str(report), *cli_args(cluster), "--stale-disk-copies", "--offload-dir", str(holder.offload_dir)]
+
+        dry = run_cli("purge", *args)
+        assert dry.exit_code == 0, dry.output
+        assert dry.stdout.splitlines() == [f"would-take-out {changed}"]
+        evidence = tmp_path / "evidence"
+        done = run_cli("purge", *args, "--yes", "--evidence", str(evidence))
+        assert done.exit_code == 0, done.output
+        (saved,) = (evidence / "disk-copies").glob("*.gz")
+        assert done.stdout.splitlines()[0] == f"taken-out    {changed}"
+        assert done.stdout.splitlines()[1].startswith(f"disk-copy    {changed}: meta-rewritten ")
+        assert gzip.decompress(saved.read_bytes()) == first[changed]  # evidence first: the stale copy's bytes
+        index = index_directories([holder.offload_dir])
+        assert stored_key("default", changed) not in index and stored_key("default", same) in index
+        store = open_store(settings_for(cluster))
+        try:
+            assert store.get(changed) == second[changed]  # the key stays, memory's bytes
+        finally:
+            store.close()
+        again = run_cli("purge", *args)  # run again: nothing left to take out
+        assert again.exit_code == 0 and again.stdout.splitlines() == [f"gone         {changed}"], again.output
+
+        cluster.restart_holder(holder)
+        cluster.wait_held([same], "local_disk")
+        tiers = cluster.tiers(first)
+        assert changed not in tiers  # its memory copy went with the holder, and its first value stays out
+        assert tiers[same] == {"local_disk"}
