@@ -33,9 +33,11 @@ TABLE_BLOCK_ROWS = 8192  # vocabulary rows converted to float32 at a time while 
 
 def sign_codes(probed: np.ndarray, centers: np.ndarray) -> np.ndarray:
     """Each row's probe columns as bits: 1 where it is above that column's center."""
-    bits = probed > centers
-    if bits.shape[1] != 32:
-        bits = np.pad(bits, ((0, 0), (0, 32 - bits.shape[1])))
+    if probed.shape[1] == 32:
+        bits = probed > centers
+    else:  # (fewer probe columns: the rest of the 32 bits zero; np.pad costs four times the whole)
+        bits = np.zeros((len(probed), 32), dtype=bool)
+        np.greater(probed, centers, out=bits[:, :probed.shape[1]])
     return np.packbits(bits, bitorder="little").view("<u4")  # column c: bit c of its row's four bytes
 
 
