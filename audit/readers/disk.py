@@ -19,7 +19,7 @@ bucket was written after the directories were indexed, is read from its old buck
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import xxhash
@@ -310,23 +310,34 @@ class DiskCopies:
         return (answer is not None and answer.get("ok") and replicas_of(answer) == listed
                 and row["size"] in (_disk_sizes(answer) or set()))
 
-    def unlisted(self, listed: Container[str], key_filter: Callable[[str], bool]) -> dict:
+    def unlisted(self, listed: Container[str], key_filter: Callable[[str], bool],
+                 tenants: Mapping[str, Callable[[list[str]], list[int]]] | None = None) -> dict:
         """The values of `key_filter`'s keys in the directories that the listing did not show and
-        the master does not know (asked again); other tenants' values are counted only (the admin
-        API answers for the default tenant)."""
+        the master does not know (asked again). Another tenant's values are matched where the run
+        audits that tenant (`tenants`: its client's `batch_is_exist`, as the admin API answers for
+        the default tenant only): those whose key it does not hold are named with their tenant; the
+        other tenants' values are counted only."""
         self.index = index_directories(self.directories)
-        candidates: dict[str, StoredValue] = {}
-        default = 0
-        for name, value in self.default_values():
-            default += 1
-            if name not in listed and key_filter(name):
-                candidates[name] = value
-        other_tenants = len(self.index) - default
-        answers = query_answers(self.admin, candidates)
-        gone = sorted(name for name in candidates if _disk_sizes(answers.get(name, {"error": "OBJECT_NOT_FOUND"})) is None)
+        tenants = tenants or {}
+        candidates: dict[tuple[str | None, str], StoredValue] = {}
+        other_tenants = 0
+        for stored, value in self.index.items():
+            tenant, _, name = (part.decode("utf-8", "surrogateescape") for part in stored.partition(b"\0"))
+            if tenant != DEFAULT_TENANT and tenant not in tenants:
+                other_tenants += 1
+            elif (tenant != DEFAULT_TENANT or name not in listed) and key_filter(name):
+                candidates[(None if tenant == DEFAULT_TENANT else tenant, name)] = value
+        default = [name for tenant, name in candidates if tenant is None]
+        answers = query_answers(self.admin, default)
+        gone = [(None, name) for name in default if _disk_sizes(answers.get(name, {"error": "OBJECT_NOT_FOUND"})) is None]
+        for tenant, exists in tenants.items():
+            names = [name for owner, name in candidates if owner == tenant]
+            gone += [(tenant, name) for name, found in zip(names, exists(names) if names else []) if found == 0]
+        gone.sort(key=lambda owned: (owned[0] or "", owned[1]))
         return {"values": len(gone), "other_tenants_values": other_tenants,
-                "named": [{"key": name, "file": str(candidates[name].path), "offset": candidates[name].value_offset,
-                           "size": candidates[name].size} for name in gone[:UNLISTED_NAMED]]}
+                "named": [{"key": name, **({"tenant": tenant} if tenant else {}),
+                           "file": str(candidates[tenant, name].path), "offset": candidates[tenant, name].value_offset,
+                           "size": candidates[tenant, name].size} for tenant, name in gone[:UNLISTED_NAMED]]}
 
     def summary(self, unlisted: dict | None) -> dict:
         latent = {"copies": len(self.latent),

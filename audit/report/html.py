@@ -537,12 +537,12 @@ def _offload_section(summary: dict) -> str:
                 if offload["disk_copies_elsewhere"] else "") + "</p>"]
     unlisted = offload.get("unlisted")
     if unlisted and unlisted["values"]:
-        rows = "".join(f'<tr><td class="key">{inert_html(value["key"], KEY_SHOWN)}</td><td>{inert_html(value["file"], 200)}'
-                       f"</td><td>{value['offset']:,}</td><td>{value['size']:,}</td></tr>"
+        rows = "".join(f'<tr><td class="key">{inert_html(value["key"], KEY_SHOWN)}</td><td>{inert_html(value.get("tenant") or "")}'
+                       f'</td><td>{inert_html(value["file"], 200)}</td><td>{value["offset"]:,}</td><td>{value["size"]:,}</td></tr>'
                        for value in unlisted["named"][:OFFLOAD_NAMED])
         parts.append(f"<h3>On disk, listed by no master ({unlisted['values']:,})</h3><p>Removed keys whose SSD copy "
                      f"stays: a restart of the holder registers them again.</p><table><thead><tr><th>key</th>"
-                     f"<th>file</th><th>offset</th><th>size</th></tr></thead><tbody>{rows}</tbody></table>")
+                     f"<th>tenant</th><th>file</th><th>offset</th><th>size</th></tr></thead><tbody>{rows}</tbody></table>")
     latent = offload.get("latent")
     if latent and latent["copies"]:
         rows = "".join(f'<tr><td class="key">{inert_html(row["key"], KEY_SHOWN)}</td><td>{inert_html(row["file"], 200)}'

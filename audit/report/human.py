@@ -84,7 +84,9 @@ def _offload_lines(offload: dict) -> list[str]:
                 if offload["disk_copies_elsewhere"] else "")]
     unlisted = offload.get("unlisted")
     if unlisted and unlisted["values"]:
-        shown = ", ".join(printable(value["key"], 80) for value in unlisted["named"][:5])
+        shown = ", ".join(printable(value["key"], 80) + (f" (tenant {printable(value['tenant'], 40)})"
+                                                           if value.get("tenant") else "")
+                          for value in unlisted["named"][:5])
         lines.append(f"on disk but listed by no master: {unlisted['values']} value(s), which a holder restart "
                      f"registers again: {shown}{', ...' if unlisted['values'] > 5 else ''}")
     latent = offload.get("latent")

@@ -350,7 +350,8 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
         if disk_copies is not None:
             with phases.phase("offload directories (values no master lists)"):
                 listed = {*listing.keys.names(), *listing.vanished}
-                context["offload"] = disk_copies.summary(disk_copies.unlisted(listed, key_filter))
+                exists = {tenant: clients.client(tenant).batch_is_exist for tenant in census.audited_tenants}
+                context["offload"] = disk_copies.summary(disk_copies.unlisted(listed, key_filter, exists))
                 disk_tier = census.tiers.get("local_disk")
                 if disk_tier:  # the copies compared were read after all
                     disk_tier["not_read"] = max(disk_tier["not_read"] - disk_copies.compared, 0)
