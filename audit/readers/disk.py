@@ -19,7 +19,7 @@ bucket was written after the directories were indexed, is read from its old buck
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import xxhash
@@ -311,33 +311,34 @@ class DiskCopies:
                 and row["size"] in (_disk_sizes(answer) or set()))
 
     def unlisted(self, listed: Container[str], key_filter: Callable[[str], bool],
-                 tenants: Mapping[str, Callable[[list[str]], list[int]]] | None = None) -> dict:
+                 tenant_holds: Callable[[str, str], bool | None] = lambda tenant, name: None) -> dict:
         """The values of `key_filter`'s keys in the directories that the listing did not show and
-        the master does not know (asked again). Another tenant's values are matched where the run
-        audits that tenant (`tenants`: its client's `batch_is_exist`, as the admin API answers for
-        the default tenant only): those whose key it does not hold are named with their tenant; the
-        other tenants' values are counted only."""
+        the master does not know (asked again). The admin API answers for the default tenant only,
+        and another tenant's client grants a lease on every key it is asked about, even whether it
+        exists: another tenant's value is named (with its tenant) where the run's own look-ups found
+        that tenant does not hold its key (`tenant_holds` False), passed over where they found it
+        does (True), and counted where the run did not look (None)."""
         self.index = index_directories(self.directories)
-        tenants = tenants or {}
-        candidates: dict[tuple[str | None, str], StoredValue] = {}
+        candidates: dict[str, StoredValue] = {}
+        gone: list[tuple[str | None, str, StoredValue]] = []
         other_tenants = 0
         for stored, value in self.index.items():
             tenant, _, name = (part.decode("utf-8", "surrogateescape") for part in stored.partition(b"\0"))
-            if tenant != DEFAULT_TENANT and tenant not in tenants:
+            if tenant == DEFAULT_TENANT:
+                if name not in listed and key_filter(name):
+                    candidates[name] = value
+            elif (holds := tenant_holds(tenant, name)) is None or not key_filter(name):
                 other_tenants += 1
-            elif (tenant != DEFAULT_TENANT or name not in listed) and key_filter(name):
-                candidates[(None if tenant == DEFAULT_TENANT else tenant, name)] = value
-        default = [name for tenant, name in candidates if tenant is None]
-        answers = query_answers(self.admin, default)
-        gone = [(None, name) for name in default if _disk_sizes(answers.get(name, {"error": "OBJECT_NOT_FOUND"})) is None]
-        for tenant, exists in tenants.items():
-            names = [name for owner, name in candidates if owner == tenant]
-            gone += [(tenant, name) for name, found in zip(names, exists(names) if names else []) if found == 0]
-        gone.sort(key=lambda owned: (owned[0] or "", owned[1]))
+            elif not holds:
+                gone.append((tenant, name, value))
+        answers = query_answers(self.admin, candidates)
+        gone += [(None, name, value) for name, value in candidates.items()
+                 if _disk_sizes(answers.get(name, {"error": "OBJECT_NOT_FOUND"})) is None]
+        gone.sort(key=lambda found: (found[0] or "", found[1]))
         return {"values": len(gone), "other_tenants_values": other_tenants,
-                "named": [{"key": name, **({"tenant": tenant} if tenant else {}),
-                           "file": str(candidates[tenant, name].path), "offset": candidates[tenant, name].value_offset,
-                           "size": candidates[tenant, name].size} for tenant, name in gone[:UNLISTED_NAMED]]}
+                "named": [{"key": name, **({"tenant": tenant} if tenant else {}), "file": str(value.path),
+                           "offset": value.value_offset, "size": value.size}
+                          for tenant, name, value in gone[:UNLISTED_NAMED]]}
 
     def summary(self, unlisted: dict | None) -> dict:
         latent = {"copies": len(self.latent),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 
 from audit.connection import AdminClient, Settings, open_store
@@ -37,7 +38,7 @@ from audit.run.options import ScanOptions
 from audit.run.phases import NoPhases, Phases
 from audit.run.reading import after_batch_hook, confirm_shared, make_reader, read_samples, reader_memory_ahead
 from audit.run.stops import Deadline, MasterWatch, StopOnSignals
-from audit.run.other_keys import (TenantClients, find_other_tenants_keys, read_other_keys, split_lease_only,
+from audit.run.other_keys import (OtherKeys, TenantClients, find_other_tenants_keys, read_other_keys, split_lease_only,
                                   take_census_after)
 from audit.judge.coverage import replica_tiers
 from audit.sources.census import Census
@@ -88,6 +89,15 @@ def _by_disk_tier(keys: KeyTable) -> tuple[dict, set[str]]:
     _, unusual = keys.unusual()
     on_disk = [key for key in unusual if any(replica.get("tier") == "local_disk" for replica in key.replicas)]
     return {key.name: key for key in on_disk if in_both_tiers(key)}, {key.name for key in on_disk}
+
+
+def _tenant_holds(other: OtherKeys, tenants: list[str]) -> Callable[[str, str], bool | None]:
+    """Whether the run's look-ups found an audited tenant holding a key a key source named (True),
+    not holding it (False: named, found in no tenant searched), or did not look (None)."""
+    held = {(tenant, key.name) for tenant, keys in other.groups if tenant is not None for key in keys}
+    not_held = {(tenant, record.key) for record in other.records if Verdict.VANISHED in record.verdicts
+                for tenant in ([record.tenant] if record.tenant is not None else tenants)}
+    return lambda tenant, name: True if (tenant, name) in held else False if (tenant, name) in not_held else None
 
 
 def _resume(keys: KeyTable, done: dict[str, KeyRecord], records: RecordLedger) -> KeyTable:
@@ -350,8 +360,8 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
         if disk_copies is not None:
             with phases.phase("offload directories (values no master lists)"):
                 listed = {*listing.keys.names(), *listing.vanished}
-                exists = {tenant: clients.client(tenant).batch_is_exist for tenant in census.audited_tenants}
-                context["offload"] = disk_copies.summary(disk_copies.unlisted(listed, key_filter, exists))
+                context["offload"] = disk_copies.summary(disk_copies.unlisted(
+                    listed, key_filter, _tenant_holds(other, census.audited_tenants)))
                 disk_tier = census.tiers.get("local_disk")
                 if disk_tier:  # the copies compared were read after all
                     disk_tier["not_read"] = max(disk_tier["not_read"] - disk_copies.compared, 0)

@@ -189,14 +189,16 @@ def _digest(value: bytes) -> str:
     return f"{xxhash.xxh3_64_intdigest(value):016x}"
 
 
-def test_another_tenants_value_on_disk_is_matched_through_its_client_where_the_run_audits_it(tmp_path):
-    """The admin API answers for the default tenant only: a value on disk of a tenant the run audits
-    (`--tenant`) is matched through that tenant's own client (`batch_is_exist`), and named with its
-    tenant when the tenant no longer holds the key; another tenant's values are counted only."""
+def test_another_tenants_value_on_disk_is_named_where_the_run_found_its_key_gone(tmp_path):
+    """The admin API answers for the default tenant only, and a tenant's client leases every key it
+    is asked about: a value on disk of a tenant the run audits (`--tenant`) is named, with its
+    tenant, where the run's own look-ups of the names its key source gave found the key gone; the
+    values of keys found there pass, and those of keys no source named, or of other tenants, are
+    counted."""
     with LocalCluster(holders=1, segment_mb=64, offload=True, bucket_keys=1, tenants=("team-a",),
                       log_dir=tmp_path) as cluster:
         holder = cluster.running_holders[0]
-        values = {f"ta/{index}": os.urandom(VALUE_BYTES) for index in range(3)}
+        values = {f"ta/{index}": os.urandom(VALUE_BYTES) for index in range(4)}
         tenant = open_store(settings_for(cluster), tenant="team-a")
         try:
             for key, value in values.items():
@@ -209,15 +211,15 @@ def test_another_tenants_value_on_disk_is_matched_through_its_client_where_the_r
         finally:
             tenant.close()
         named = tmp_path / "keys.txt"
-        named.write_text("ta/0\nta/2\n")
+        named.write_text("ta/0\nta/1\nta/2\n")  # ta/3 named by no source
         args = [*cli_args(cluster), "--read-mode", "peek", "--offload-dir", str(holder.offload_dir)]
         _, audited = scan_json(args, "--tenant", "team-a", "--keys", str(named))
-        assert audited["summary"]["keys_scanned"] == 2 and audited["summary"]["verdicts"] == {}
+        assert audited["summary"]["keys_scanned"] == 2 and audited["summary"]["verdicts"] == {"VANISHED": 1}
         unlisted = audited["summary"]["offload"]["unlisted"]
-        assert (unlisted["values"], unlisted["other_tenants_values"]) == (1, 0)
+        assert (unlisted["values"], unlisted["other_tenants_values"]) == (1, 1)
         assert [(row["key"], row["tenant"], row["size"]) for row in unlisted["named"]] == [("ta/1", "team-a", VALUE_BYTES)]
         human = run_cli("scan", *args, "--tenant", "team-a", "--keys", str(named), "--no-progress")
         assert "on disk but listed by no master: 1 value(s), which a holder restart registers again: ta/1 (tenant " \
                "team-a)" in human.stdout
         _, unaudited = scan_json(args)
-        assert unaudited["summary"]["offload"]["unlisted"] == {"values": 0, "other_tenants_values": 3, "named": []}
+        assert unaudited["summary"]["offload"]["unlisted"] == {"values": 0, "other_tenants_values": 4, "named": []}
