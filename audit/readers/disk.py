@@ -45,6 +45,11 @@ def _disk_endpoint(key: KeyInfo) -> str | None:
     return next((replica.get("endpoint") for replica in key.replicas if replica.get("tier") == "local_disk"), None)
 
 
+def listed_on_disk(key: KeyInfo) -> bool:
+    """Whether the listing shows `key` with a copy on a holder's SSD (`local_disk`)."""
+    return any(replica.get("tier") == "local_disk" for replica in key.replicas)
+
+
 def in_both_tiers(key: KeyInfo) -> bool:
     """Whether the listing shows `key` with a memory replica and a disk copy on a holder's SSD."""
     return {replica.get("tier") for replica in key.replicas} >= {"memory", "local_disk"}

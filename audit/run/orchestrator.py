@@ -24,7 +24,7 @@ from audit.judge.ledger import RecordLedger
 from audit.judge.merge import merge_records
 from audit.judge.plan import CheckPlan
 from audit.judge.purged import PurgedKeys
-from audit.readers.disk import DiskCopies, in_both_tiers
+from audit.readers.disk import DiskCopies, in_both_tiers, listed_on_disk
 from audit.run.progress import ScanProgress
 from audit.records import KeyRecord, Report, Verdict
 from audit.run.checkpoint import Checkpoint
@@ -87,7 +87,7 @@ def _by_disk_tier(keys: KeyTable) -> tuple[dict, set[str]]:
     (read from memory, their disk copies are compared with what was read), and the names of every
     key listed with a disk copy (the others' copies on disk are ones no master lists)."""
     _, unusual = keys.unusual()
-    on_disk = [key for key in unusual if any(replica.get("tier") == "local_disk" for replica in key.replicas)]
+    on_disk = [key for key in unusual if listed_on_disk(key)]
     return {key.name: key for key in on_disk if in_both_tiers(key)}, {key.name for key in on_disk}
 
 
@@ -328,7 +328,7 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
             records.add(record)
         keys_selected += len(other.keys) + len(other.records)
         disk_copies = DiskCopies(admin, options.offload_dirs) if options.offload_dirs else None
-        in_both_tiers, listed_on_disk = _by_disk_tier(keys) if disk_copies is not None else ({}, set())
+        in_both_tiers, disk_listed = _by_disk_tier(keys) if disk_copies is not None else ({}, set())
         keys, lease_only = split_lease_only(keys, options, on_ray=ray_scan is not None)
         other.groups.insert(0, (None, lease_only))
         progress.start(len(keys) + len(other.keys), keys.total_size() + sum(key.size or 0 for key in other.keys))
@@ -337,7 +337,7 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
         def emit(record: KeyRecord) -> None:
             if record.tenant is None and (both := in_both_tiers.get(record.key)) is not None:
                 disk_copies.compare(record, both)
-            elif record.tenant is None and disk_copies is not None and record.key not in listed_on_disk:
+            elif record.tenant is None and disk_copies is not None and record.key not in disk_listed:
                 disk_copies.unlisted_copy(record)
             if purged is not None:
                 purged.judge(record)

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from audit.connection import AdminClient
-from audit.readers.disk import DiskCopies, in_both_tiers
+from audit.readers.disk import DiskCopies, in_both_tiers, listed_on_disk
 from audit.records import KeyInfo, KeyRecord
 from audit.run.watch_state import WatchState
 from audit.sources.keytable import KeyTable
@@ -50,18 +50,17 @@ class DiskCopyWatch:
         and the keys listed with no disk copy whose copy a directory holds, new or changed."""
         self.copies = DiskCopies(self.admin, self.directories)
         mtimes: dict[Path, int | None] = {}
-        on_disk = [key for key in table.unusual()[1]
-                   if any(replica.get("tier") == "local_disk" for replica in key.replicas)]
+        on_disk = [key for key in table.unusual()[1] if listed_on_disk(key)]
         now = {key.name: self._fingerprint(key, mtimes) for key in on_disk if in_both_tiers(key)}
         now = {name: copies for name, copies in now.items() if copies is not None}
         if not self._listed_before:
             self._compared.update({record.key: now[record.key] for record in state.stored(now)})
             self._listed_before = True
         self._compared = {name: copies for name, copies in self._compared.items() if name in now}
-        listed_on_disk = {key.name for key in on_disk}
+        disk_listed = {key.name for key in on_disk}
         unlisted_copies = {name: self._fingerprint(table.info(rows_by_name[name]), mtimes)
                            for name, _ in self.copies.default_values()
-                           if name in rows_by_name and name not in listed_on_disk}
+                           if name in rows_by_name and name not in disk_listed}
         self._looked = {name: copies for name, copies in self._looked.items() if name in unlisted_copies}
         self.latent = {name: row for name, row in self.latent.items() if name in unlisted_copies}
         return ({name for name, copies in now.items() if self._compared.get(name) != copies}
@@ -82,8 +81,7 @@ class DiskCopyWatch:
                 self.copies.compare(record, key)
                 if (copies := self._fingerprint(key, {})) is not None:
                     self._compared[record.key] = copies
-            elif not any(replica.get("tier") == "local_disk" for replica in key.replicas) \
-                    and (copies := self._fingerprint(key, {})) is not None:
+            elif not listed_on_disk(key) and (copies := self._fingerprint(key, {})) is not None:
                 self._looked[record.key] = copies
                 before, row = self.latent.pop(record.key, None), self.copies.unlisted_copy(record)
                 if row is not None:
