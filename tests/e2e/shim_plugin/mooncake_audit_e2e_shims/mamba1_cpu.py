@@ -21,6 +21,12 @@ the per-head kernel a 3-D state a head axis; the dispatcher Mamba1 imports hands
 as is: "Dimension out of range"), and its ``out_proj`` is handed its input contiguous: after a prefill the scan's output is
 read transposed, which CUDA's GEMM takes and the CPU build's oneDNN GEMM refuses ("Expected
 a.stride(-1) == 1").
+
+And on a CPU with AVX-512 BF16, vLLM prepacks a bfloat16 conv weight of width 4 after loading
+(``dispatch_cpu_unquantized_gemm``: ``conv1d.weight`` becomes the packed 2-D tensor, the
+(dim, width) weight kept as ``_cpu_unpacked_conv_weight``), which its Mamba1 mixer then views as
+(dim, 1, width): "Dimension out of range". The mixer gets its weight back unpacked, as (dim, 1,
+width), before its first forward: the CPU conv op takes that layout.
 """
 
 from __future__ import annotations
@@ -92,4 +98,13 @@ def install() -> None:
         self.out_proj.forward = lambda x: out_proj(x.contiguous())
 
     MambaMixer.__init__ = __init__
+    original_forward_impl = MambaMixer.forward_impl
+
+    def forward_impl(self, *args, **kwargs):
+        unpacked = getattr(self.conv1d, "_cpu_unpacked_conv_weight", None)
+        if unpacked is not None and self.conv1d.weight.dim() == 2:  # (prepacked: an AVX-512 BF16 CPU)
+            self.conv1d.weight.data = unpacked.unsqueeze(1)
+        return original_forward_impl(self, *args, **kwargs)
+
+    MambaMixer.forward_impl = forward_impl
     logger.info("e2e shim: Mamba1's selective_scan_fwd in plain torch, its decode on the CPU op (CPU)")
