@@ -129,3 +129,9 @@ def meta_without(meta: bytes, stored_keys: set[bytes]) -> tuple[bytes, int]:
 
 def stored_key(tenant: str, key: str) -> bytes:
     return tenant.encode() + b"\0" + key.encode("utf-8", "surrogateescape")
+
+
+def tenant_and_key(stored: bytes) -> tuple[str, str]:
+    """`stored_key`'s inverse: the tenant and the key of a stored `tenant \\0 key`."""
+    tenant, _, key = stored.partition(b"\0")
+    return tenant.decode("utf-8", "surrogateescape"), key.decode("utf-8", "surrogateescape")

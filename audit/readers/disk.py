@@ -26,7 +26,7 @@ import xxhash
 
 from audit.connection import AdminClient
 from audit.errors import ERROR_NAMES, MOVED, NOT_PEEKABLE
-from audit.readers.buckets import StoredValue, stored_key
+from audit.readers.buckets import StoredValue, stored_key, tenant_and_key
 from audit.readers.buffers import ALIGNMENT, MAX_KEYS_PER_BATCH, FetchedBatch, HostBuffer, Slot, plan_batches
 from audit.readers.confirm import Confirmation, KeyRead, confirmation_of
 from audit.readers.descriptors import Replica, query_answers, replicas_of
@@ -284,12 +284,10 @@ class DiskCopies:
         """Where the directories, as last indexed, hold the default-tenant key `name`'s value."""
         return self.index.get(stored_key(DEFAULT_TENANT, name))
 
-    def default_values(self) -> Iterator[tuple[str, StoredValue]]:
-        """The default tenant's values in the directories, as last indexed, by key name."""
-        default = DEFAULT_TENANT.encode() + b"\0"
+    def values(self) -> Iterator[tuple[str, str, StoredValue]]:
+        """(tenant, key, value) of every value in the directories, as last indexed."""
         for stored, value in self.index.items():
-            if stored.startswith(default):
-                yield stored[len(default):].decode("utf-8", "surrogateescape"), value
+            yield *tenant_and_key(stored), value
 
     def _read(self, value: StoredValue) -> dict:
         row = {"tier": "local_disk", "file": str(value.path), "offset": value.value_offset, "size": value.size,
@@ -327,8 +325,7 @@ class DiskCopies:
         candidates: dict[str, StoredValue] = {}
         gone: list[tuple[str | None, str, StoredValue]] = []
         other_tenants = 0
-        for stored, value in self.index.items():
-            tenant, _, name = (part.decode("utf-8", "surrogateescape") for part in stored.partition(b"\0"))
+        for tenant, name, value in self.values():
             if tenant == DEFAULT_TENANT:
                 if name not in listed and key_filter(name):
                     candidates[name] = value

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from audit.connection import AdminClient
-from audit.readers.disk import DiskCopies, in_both_tiers, listed_on_disk
+from audit.readers.disk import DEFAULT_TENANT, DiskCopies, in_both_tiers, listed_on_disk
 from audit.records import KeyInfo, KeyRecord
 from audit.run.watch_state import WatchState
 from audit.sources.keytable import KeyTable
@@ -59,8 +59,8 @@ class DiskCopyWatch:
         self._compared = {name: copies for name, copies in self._compared.items() if name in now}
         disk_listed = {key.name for key in on_disk}
         unlisted_copies = {name: self._fingerprint(table.info(rows_by_name[name]), mtimes)
-                           for name, _ in self.copies.default_values()
-                           if name in rows_by_name and name not in disk_listed}
+                           for tenant, name, _ in self.copies.values()
+                           if tenant == DEFAULT_TENANT and name in rows_by_name and name not in disk_listed}
         self._looked = {name: copies for name, copies in self._looked.items() if name in unlisted_copies}
         self.latent = {name: row for name, row in self.latent.items() if name in unlisted_copies}
         return ({name for name, copies in now.items() if self._compared.get(name) != copies}
@@ -86,8 +86,8 @@ class DiskCopyWatch:
                 before, row = self.latent.pop(record.key, None), self.copies.unlisted_copy(record)
                 if row is not None:
                     self.latent[record.key] = row
-                    if row["xxh3"] != row["memory_xxh3"] and (before is None or before["xxh3"] != row["xxh3"]
-                                                               or before["memory_xxh3"] != row["memory_xxh3"]):
+                    digests = row["xxh3"], row["memory_xxh3"]
+                    if digests[0] != digests[1] and (before is None or (before["xxh3"], before["memory_xxh3"]) != digests):
                         named.append(row)
         return named
 
