@@ -18,7 +18,7 @@ import gzip
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from pathlib import Path
 
 import xxhash
@@ -40,13 +40,17 @@ def value_bytes(value: StoredValue) -> bytes:
     return record[len(value.head):]
 
 
-def quarantine(directories: Iterable[Path], names: Iterable[str], evidence_dir: Path) -> dict[str, list[dict]]:
-    """Take the default-tenant keys `names` out of every file of `directories` that holds them;
-    per key, one row per copy taken out (`how`: `meta-rewritten` or `bucket-moved`, `evidence`:
-    its bytes under the evidence directory; `file-moved` for the file-per-key backend). Keys no file
-    there holds are left out."""
+def quarantine(directories: Iterable[Path], names: Iterable[str], evidence_dir: Path,
+               places: Container[tuple[str, int]] | None = None) -> dict[str, list[dict]]:
+    """Take the default-tenant keys `names` out of every file of `directories` that holds them
+    (`places`: only their copies at these (file, value offset)); per key, one row per copy taken
+    out (`how`: `meta-rewritten` or `bucket-moved`, `evidence`: its bytes under the evidence
+    directory; `file-moved` for the file-per-key backend). Keys no file there holds are left out."""
     wanted = {stored_key(DEFAULT_TENANT, name): name for name in names}
     holding = copies_holding(directories, set(wanted))
+    if places is not None:
+        holding = {path: kept for path, values in holding.items()
+                   if (kept := [value for value in values if (str(value.path), value.value_offset) in places])}
     if not holding:
         return {}
     out = Path(evidence_dir) / QUARANTINE

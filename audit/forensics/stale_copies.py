@@ -3,10 +3,13 @@ report names as listed for no key (`offload.latent`) and unlike the bytes in mem
 
 Mooncake's bucket backend offloads a key once: a key removed and put again keeps its first value's
 copy in its bucket, which the master does not list and a restart of the holder registers again in
-place of the bytes in memory (docs/read-modes.md). A copy is taken out only while the master still
-lists its key with no disk copy and the copy still holds the bytes the report named; its bytes
-are saved first (`audit.forensics.disk_copies.quarantine`). A copy holding the bytes in memory is
-left: after a restart it serves the same value.
+place of the bytes in memory; put again on another holder of the host, the key is offloaded there
+and the first holder's copy stays beside the new one (docs/read-modes.md). Each copy named is
+taken out alone, where the report found it, and only while it still holds the bytes the report
+named and either a newer copy of its key still lies beside it (the one a master lists or a
+restart registers) or the master lists no disk copy of the key; its bytes are saved first
+(`audit.forensics.disk_copies.quarantine`). A copy holding the bytes in memory is left: after a
+restart it serves the same value.
 """
 
 from __future__ import annotations
@@ -41,34 +44,38 @@ def stale_copies_of_report(path: Path) -> list[dict]:
 def take_out_stale_copies(settings: Settings, rows: Iterable[dict], offload_dirs: tuple[Path, ...], *,
                           execute: bool, evidence_dir: Path | None,
                           on_outcome: Callable[[PurgeOutcome], None]) -> list[PurgeOutcome]:
-    """Each named copy: `would-take-out` (a dry run), `taken-out` (with its `disk_copies` rows),
-    `listed` (the master lists a disk copy of the key now), `gone` (no directory here holds a copy
-    of it), or `changed` (the copy holds other bytes than the report named)."""
+    """Each named copy: `would-take-out` (a dry run), `taken-out` (with its `disk_copies` row),
+    `listed` (the master lists a disk copy of the key now, and no newer copy lies beside this one),
+    `gone` (no directory here holds the copy where the report found it), or `changed` (it holds
+    other bytes than the report named)."""
     if not offload_dirs:
         raise AuditError("--stale-disk-copies needs --offload-dir (the holder's MOONCAKE_OFFLOAD_FILE_STORAGE_PATH)")
     admin = AdminClient(settings.admin)
     outcomes = []
     for row in rows:
-        key = row["key"]
-        outcome = PurgeOutcome(key, _action(admin, key, row["xxh3"], offload_dirs), row["xxh3"])
+        key, place = row["key"], (row["file"], row["offset"])
+        outcome = PurgeOutcome(key, _action(admin, row, offload_dirs), row["xxh3"])
         if outcome.action == "take-out":
             outcome.action = "would-take-out"
             if execute:
-                outcome.disk_copies = quarantine(offload_dirs, [key], evidence_dir).get(key, [])
+                outcome.disk_copies = quarantine(offload_dirs, [key], evidence_dir, {place}).get(key, [])
                 outcome.action = "taken-out" if outcome.disk_copies else "gone"
         outcomes.append(outcome)
         on_outcome(outcome)
     return outcomes
 
 
-def _action(admin: AdminClient, key: str, named_xxh3: str, offload_dirs: tuple[Path, ...]) -> str:
-    answer = query_answers(admin, [key]).get(key) or {}
-    if answer.get("local_disk_values"):
-        return "listed"
-    copies = [value for values in copies_holding(offload_dirs, {stored_key(DEFAULT_TENANT, key)}).values()
-              for value in values]
-    if not copies:
+def _action(admin: AdminClient, row: dict, offload_dirs: tuple[Path, ...]) -> str:
+    copies = {(str(value.path), value.value_offset): value
+              for values in copies_holding(offload_dirs, {stored_key(DEFAULT_TENANT, row["key"])}).values()
+              for value in values}
+    copy = copies.get((row["file"], row["offset"]))
+    if copy is None:
         return "gone"
-    if any(xxhash.xxh3_64_hexdigest(value_bytes(value)) != named_xxh3 for value in copies):
+    if xxhash.xxh3_64_hexdigest(value_bytes(copy)) != row["xxh3"]:
         return "changed"
-    return "take-out"
+    newer = row.get("newer_copy")
+    if newer is not None and (newer["file"], newer["offset"]) in copies:
+        return "take-out"  # the key's newer copy stays: the one listed, or registered by a restart
+    answer = query_answers(admin, [row["key"]]).get(row["key"]) or {}
+    return "listed" if answer.get("local_disk_values") else "take-out"

@@ -273,21 +273,42 @@ class DiskCopies:
             return None
         if _disk_sizes(query_answers(self.admin, [record.key]).get(record.key)):
             return None  # listed on disk by now: offloaded while it was read
+        return self._named(record, value, {})
+
+    def superseded_copies(self, record: KeyRecord) -> list[dict]:
+        """The older copies on disk of `record`'s key, beside the newest one (the one read, compared
+        or named above): a key removed and put again on another holder of this host is offloaded
+        there, while the first holder's bucket keeps its first value, which no master lists and
+        which comes back if that holder restarts once the key has left the store (measured, docs/read-modes.md).
+        Each named, with the newer copy's place and whether it holds the bytes read."""
+        if record.tenant is not None or record.xxh3 is None:
+            return []
+        key = stored_key(DEFAULT_TENANT, record.key)
+        newest, older = self.index.get(key), self.index.superseded.get(key, [])
+        return [row for value in older
+                if (row := self._named(record, value, {"newer_copy": {"file": str(newest.path),
+                                                                      "offset": newest.value_offset}})) is not None]
+
+    def _named(self, record: KeyRecord, value: StoredValue, extra: dict) -> dict | None:
         row = self._read(value)
         if row["status"] != "ok":
             return None
         self.latent.append({"key": record.key, "file": row["file"], "offset": row["offset"], "size": row["size"],
-                            "xxh3": row["xxh3"], "memory_xxh3": f"{record.xxh3:016x}"})
+                            "xxh3": row["xxh3"], "memory_xxh3": f"{record.xxh3:016x}", **extra})
         return self.latent[-1]
 
     def stored(self, name: str) -> StoredValue | None:
         """Where the directories, as last indexed, hold the default-tenant key `name`'s value."""
         return self.index.get(stored_key(DEFAULT_TENANT, name))
 
-    def values(self) -> Iterator[tuple[str, str, StoredValue]]:
-        """(tenant, key, value) of every value in the directories, as last indexed."""
+    def values(self, superseded: bool = False) -> Iterator[tuple[str, str, StoredValue]]:
+        """(tenant, key, value) of every key's newest value in the directories, as last indexed
+        (`superseded`: and of each older copy of it)."""
         for stored, value in self.index.items():
-            yield *tenant_and_key(stored), value
+            tenant, name = tenant_and_key(stored)
+            yield tenant, name, value
+            for older in self.index.superseded.get(stored, []) if superseded else []:
+                yield tenant, name, older
 
     def _read(self, value: StoredValue) -> dict:
         row = {"tier": "local_disk", "file": str(value.path), "offset": value.value_offset, "size": value.size,
@@ -322,21 +343,21 @@ class DiskCopies:
         that tenant does not hold its key (`tenant_holds` False), passed over where they found it
         does (True), and counted where the run did not look (None)."""
         self.index = index_directories(self.directories)
-        candidates: dict[str, StoredValue] = {}
+        candidates: dict[str, list[StoredValue]] = {}
         gone: list[tuple[str | None, str, StoredValue]] = []
         other_tenants = 0
-        for tenant, name, value in self.values():
+        for tenant, name, value in self.values(superseded=True):
             if tenant == DEFAULT_TENANT:
                 if name not in listed and key_filter(name):
-                    candidates[name] = value
+                    candidates.setdefault(name, []).append(value)
             elif (holds := tenant_holds(tenant, name)) is None or not key_filter(name):
                 other_tenants += 1
             elif not holds:
                 gone.append((tenant, name, value))
         answers = query_answers(self.admin, candidates)
-        gone += [(None, name, value) for name, value in candidates.items()
-                 if _disk_sizes(answers.get(name, {"error": "OBJECT_NOT_FOUND"})) is None]
-        gone.sort(key=lambda found: (found[0] or "", found[1]))
+        gone += [(None, name, value) for name, values in candidates.items()
+                 if _disk_sizes(answers.get(name, {"error": "OBJECT_NOT_FOUND"})) is None for value in values]
+        gone.sort(key=lambda found: (found[0] or "", found[1], str(found[2].path), found[2].offset))
         return {"values": len(gone), "other_tenants_values": other_tenants,
                 "named": [{"key": name, **({"tenant": tenant} if tenant else {}), "file": str(value.path),
                            "offset": value.value_offset, "size": value.size}
@@ -345,6 +366,7 @@ class DiskCopies:
     def summary(self, unlisted: dict | None) -> dict:
         latent = {"copies": len(self.latent),
                   "unlike_memory": sum(row["xxh3"] != row["memory_xxh3"] for row in self.latent),
+                  "older_copies": sum("newer_copy" in row for row in self.latent),
                   "named": sorted(self.latent, key=lambda row: (row["xxh3"] == row["memory_xxh3"], row["key"]))[:UNLISTED_NAMED]}
         return {"directories": [str(directory) for directory in self.directories],
                 "disk_copies_compared": self.compared, "disk_copies_divergent": self.divergent,

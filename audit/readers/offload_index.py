@@ -90,30 +90,53 @@ def _bucket_index(directory: Path) -> list[tuple[int, str, list[StoredValue]]]:
     return found
 
 
-_merged: dict[tuple[Path, ...], tuple[list, dict[bytes, StoredValue]]] = {}
+class OffloadIndex(dict[bytes, StoredValue]):
+    """The newest copy of each stored key in a set of offload directories (`index_directories`),
+    and the older copies a newer one hides (`superseded`, oldest first): a key removed and put
+    again on another holder of this host is offloaded there anew, while the first holder's bucket
+    keeps its first value, which no master lists (measured: a restart of that holder registers
+    nothing while the key is held elsewhere; one after the key left the store brings it back)."""
+
+    def __init__(self, newest: dict[bytes, StoredValue], superseded: dict[bytes, list[StoredValue]]):
+        super().__init__(newest)
+        self.superseded = superseded
+
+
+_merged: dict[tuple[Path, ...], tuple[list, OffloadIndex]] = {}
 """The last index of each set of directories, with the listings it was made of: when every
 listing is the one reused unchanged (`_bucket_index`), so is the index."""
 
 
-def index_directories(directories: Iterable[Path]) -> dict[bytes, StoredValue]:
+def index_directories(directories: Iterable[Path]) -> OffloadIndex:
     """Every complete bucket's values and every key file in `directories`, by stored key
     (`stored_key`). A key that several buckets hold (removed or evicted, then put again) maps to
-    the newest bucket's."""
+    the newest bucket's; the others are its `superseded` copies."""
     found = _offload_directories(directories)
     listings = [_bucket_index(directory) for directory in found]
-    index: dict[bytes, StoredValue] = {}
-    for directory in found:
-        index.update((value.stored_key, value) for value in key_files(directory))
+    key_files_found = [value for directory in found for value in key_files(directory)]
     last = _merged.get(tuple(found))
-    if last is not None and not index and all(now is before for now, before in zip(listings, last[0])):
-        return dict(last[1])
+    if last is not None and not key_files_found and all(now is before for now, before in zip(listings, last[0])):
+        return OffloadIndex(last[1], last[1].superseded)
     rank = {directory: place for place, directory in enumerate(sorted(set(found)))}  # as their paths sort
     buckets = [(mtime, rank[directory], name, values)
                for directory, listing in zip(found, listings) for mtime, name, values in listing]
+    index: dict[bytes, StoredValue] = {}
+    superseded: dict[bytes, list[StoredValue]] = {}
+    for value in key_files_found:
+        _newest(index, superseded, value)
     for *_, values in sorted(buckets, key=lambda bucket: bucket[:3]):
-        index.update((value.stored_key, value) for value in values)
-    _merged[tuple(found)] = listings, index
-    return dict(index)
+        for value in values:
+            _newest(index, superseded, value)
+    merged = OffloadIndex(index, superseded)
+    _merged[tuple(found)] = listings, merged
+    return OffloadIndex(merged, superseded)
+
+
+def _newest(index: dict[bytes, StoredValue], superseded: dict[bytes, list[StoredValue]], value: StoredValue) -> None:
+    before = index.get(value.stored_key)
+    if before is not None:
+        superseded.setdefault(value.stored_key, []).append(before)
+    index[value.stored_key] = value
 
 
 def copies_holding(directories: Iterable[Path], stored_keys: set[bytes]) -> dict[Path, list[StoredValue]]:

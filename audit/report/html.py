@@ -546,14 +546,16 @@ def _offload_section(summary: dict) -> str:
     latent = offload.get("latent")
     if latent and latent["copies"]:
         rows = "".join(f'<tr><td class="key">{inert_html(row["key"], KEY_SHOWN)}</td><td>{inert_html(row["file"], 200)}'
-                       f"</td><td>{row['offset']:,}</td><td>{_yes_no(row['xxh3'] != row['memory_xxh3'])}</td>"
+                       f"</td><td>{row['offset']:,}</td><td>{inert_html(row['newer_copy']['file'], 200) if 'newer_copy' in row else ''}"
+                       f"</td><td>{_yes_no(row['xxh3'] != row['memory_xxh3'])}</td>"
                        f'<td class="mono">{inert_html(row["xxh3"])}</td><td class="mono">{inert_html(row["memory_xxh3"])}</td></tr>'
                        for row in latent["named"][:OFFLOAD_NAMED])
         parts.append(f"<h3>On disk, not listed for their key ({latent['copies']:,}, "
                      f"{latent['unlike_memory']:,} unlike memory)</h3><p>Keys put again keep their first value's "
                      f"copy (Mooncake's bucket offload writes a key once), which a restart of the holder serves in "
-                     f"place of the bytes in memory. Not findings.</p><table><thead><tr><th>key</th><th>file</th>"
-                     f"<th>offset</th><th>unlike memory</th><th>disk xxh3</th><th>memory xxh3</th></tr></thead>"
+                     f"place of the bytes in memory; put again on another holder, a key leaves its first copy beside "
+                     f"the newer one. Not findings.</p><table><thead><tr><th>key</th><th>file</th>"
+                     f"<th>offset</th><th>newer copy</th><th>unlike memory</th><th>disk xxh3</th><th>memory xxh3</th></tr></thead>"
                      f"<tbody>{rows}</tbody></table>")
     return f'<section id="offload"><h2>SSD tier</h2>{"".join(parts)}</section>'
 

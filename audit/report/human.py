@@ -92,9 +92,12 @@ def _offload_lines(offload: dict) -> list[str]:
     latent = offload.get("latent")
     if latent and latent["copies"]:
         shown = ", ".join(printable(row["key"], 80) for row in latent["named"][:5])
+        older = latent.get("older_copies", 0)
         lines.append(f"on disk but not listed for its key: {latent['copies']} copy(ies), {latent['unlike_memory']} "
-                     f"unlike the bytes in memory, which a restart of the holder registers again in their place: "
-                     f"{shown}{', ...' if latent['copies'] > 5 else ''}")
+                     f"unlike the bytes in memory, which a restart of the holder registers again in their place"
+                     + (f" ({older} older, beside a newer copy of the key on another holder: served again if that holder "
+                        f"restarts once the key has left the store)" if older else "")
+                     + f": {shown}{', ...' if latent['copies'] > 5 else ''}")
     return lines
 
 

@@ -335,10 +335,12 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
         phases.add("planning (selection, coverage tiers, checkpoint)", time.perf_counter() - planning_rest)
 
         def emit(record: KeyRecord) -> None:
-            if record.tenant is None and (both := in_both_tiers.get(record.key)) is not None:
-                disk_copies.compare(record, both)
-            elif record.tenant is None and disk_copies is not None and record.key not in disk_listed:
-                disk_copies.unlisted_copy(record)
+            if record.tenant is None and disk_copies is not None:
+                if (both := in_both_tiers.get(record.key)) is not None:
+                    disk_copies.compare(record, both)
+                elif record.key not in disk_listed:
+                    disk_copies.unlisted_copy(record)
+                disk_copies.superseded_copies(record)
             if purged is not None:
                 purged.judge(record)
             records.add(record)

@@ -442,10 +442,15 @@ class Watcher:
             self._scan(keys, self._reader_for(admin, keys), stop, watch, records, read_at)
         if self.disk_copies is not None:
             for row in self.disk_copies.compare(records, by_name):
-                self.log(f"watch: on disk but not listed for its key: {printable(row['key'], 200)} ({row['file']} at "
-                         f"{row['offset']}), unlike the bytes in memory: a restart of its holder registers it again "
-                         f"in their place")
-            latent = self.disk_copies.latent.values()
+                if "newer_copy" in row:
+                    self.log(f"watch: on disk beside a newer copy of its key: {printable(row['key'], 200)} "
+                             f"({row['file']} at {row['offset']}; newer: {row['newer_copy']['file']}), unlike the "
+                             f"bytes in memory: served again if its holder restarts once the key has left the store")
+                else:
+                    self.log(f"watch: on disk but not listed for its key: {printable(row['key'], 200)} ({row['file']} "
+                             f"at {row['offset']}), unlike the bytes in memory: a restart of its holder registers it "
+                             f"again in their place")
+            latent = self.disk_copies.rows()
             self.metrics.disk_copies_latent.set(len(latent))
             self.metrics.disk_copies_latent_unlike.set(sum(row["xxh3"] != row["memory_xxh3"] for row in latent))
         earlier = state.same_content(records)

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from audit.connection import AdminClient
+from audit.readers.buckets import stored_key, tenant_and_key
 from audit.readers.disk import DEFAULT_TENANT, DiskCopies, in_both_tiers, listed_on_disk
 from audit.records import KeyInfo, KeyRecord
 from audit.run.watch_state import WatchState
@@ -43,6 +44,8 @@ class DiskCopyWatch:
         self._listed_before = False            # whether a round's listing came here before
         self.latent: dict[str, dict] = {}      # name: its copy no master lists (`DiskCopies.unlisted_copy`'s row)
         self._looked: dict[str, tuple] = {}    # name: its fingerprint when a copy no master lists was last looked at
+        self.older: dict[str, list[dict]] = {}  # name: its copies a newer one hides (`DiskCopies.superseded_copies`' rows)
+        self._older_looked: dict[str, tuple] = {}  # name: the places of those copies when they were last read
 
     def changed(self, table: KeyTable, rows_by_name: Mapping[str, int], state: WatchState) -> set[str]:
         """The directories indexed afresh; the both-tier keys of the listing whose copies changed
@@ -63,8 +66,13 @@ class DiskCopyWatch:
                            if tenant == DEFAULT_TENANT and name in rows_by_name and name not in disk_listed}
         self._looked = {name: copies for name, copies in self._looked.items() if name in unlisted_copies}
         self.latent = {name: row for name, row in self.latent.items() if name in unlisted_copies}
+        older = {name: self._older_places(name) for tenant, name in map(tenant_and_key, self.copies.index.superseded)
+                 if tenant == DEFAULT_TENANT and name in rows_by_name}
+        self._older_looked = {name: places for name, places in self._older_looked.items() if older.get(name) == places}
+        self.older = {name: rows for name, rows in self.older.items() if name in self._older_looked}
         return ({name for name, copies in now.items() if self._compared.get(name) != copies}
-                | {name for name, copies in unlisted_copies.items() if self._looked.get(name) != copies})
+                | {name for name, copies in unlisted_copies.items() if self._looked.get(name) != copies}
+                | {name for name in older if name not in self._older_looked})
 
     def compare(self, records: Iterable[KeyRecord], keys: dict[str, KeyInfo]) -> list[dict]:
         """The disk copies of the both-tier keys among `records` (read from memory this round),
@@ -77,6 +85,12 @@ class DiskCopyWatch:
                 continue
             if self.copies is None:  # a record round before the first listing
                 self.copies = DiskCopies(self.admin, self.directories)
+            before = {(row["xxh3"], row["file"], row["offset"]) for row in self.older.pop(record.key, [])}
+            if rows := self.copies.superseded_copies(record):
+                self.older[record.key] = rows
+                self._older_looked[record.key] = self._older_places(record.key)
+                named += [row for row in rows if row["xxh3"] != row["memory_xxh3"]
+                          and (row["xxh3"], row["file"], row["offset"]) not in before]
             if in_both_tiers(key):
                 self.copies.compare(record, key)
                 if (copies := self._fingerprint(key, {})) is not None:
@@ -90,6 +104,14 @@ class DiskCopyWatch:
                     if digests[0] != digests[1] and (before is None or (before["xxh3"], before["memory_xxh3"]) != digests):
                         named.append(row)
         return named
+
+    def rows(self) -> list[dict]:
+        """Every copy named now: those no master lists for their key, and the older ones beside a newer."""
+        return [*self.latent.values(), *(row for rows in self.older.values() for row in rows)]
+
+    def _older_places(self, name: str) -> tuple:
+        return tuple((str(value.path), value.value_offset)
+                     for value in self.copies.index.superseded.get(stored_key(DEFAULT_TENANT, name), []))
 
     def _fingerprint(self, key: KeyInfo, mtimes: dict[Path, int | None]) -> tuple | None:
         """What changes when either copy does; None when no directory here holds the disk copy."""

@@ -20,6 +20,7 @@ from audit.readers.buckets import stored_key
 from audit.readers.offload_index import index_directories
 from tests.conftest import settings_for
 from tests.helpers import by_key, run_cli, scan_json
+from tests.readers.test_tiered import _put
 from tests.readers.test_disk_copies import (
     BUCKET_KEYS,
     KEYS,
@@ -31,6 +32,7 @@ from tests.readers.test_disk_copies import (
 )
 
 PURGED, LEFT_ON_DISK, REMOVED = "sticks/1", "sticks/6", "sticks/3"  # two zero values, one healthy key
+SENTINEL = "sentinel/0"  # a key only the first holder of two holds: on disk again once it has restarted
 
 
 def _report(cluster: LocalCluster, key: str, path) -> None:
@@ -197,3 +199,76 @@ def test_a_stale_disk_copy_of_a_key_put_again_is_taken_out_and_the_key_stays(tmp
         tiers = cluster.tiers(first)
         assert changed not in tiers  # its memory copy went with the holder, and its first value stays out
         assert tiers[same] == {"local_disk"}
+
+
+def test_a_key_put_again_on_another_holder_leaves_its_first_copy_which_is_named_and_taken_out_alone(tmp_path):
+    """Two offloading holders on one host: a key offloaded by the first, removed, and put again on the
+    second is offloaded there anew, and the first holder's bucket keeps its first value, which no
+    master lists; a restart of that holder once the key has left the store serves it again (measured).
+    The scan reads both directories and names the older copy beside the newer one (`latent`, with
+    `newer_copy`), whether it holds the bytes in memory or not; `purge --stale-disk-copies --yes`
+    takes out that copy alone (its bytes saved first), leaving the key's newer copy and the copy
+    that holds memory's bytes; the key removed and the first holder restarted, it stays gone."""
+    with LocalCluster(holders=2, segment_mb=64, offload=True, bucket_keys=1, client_ttl_s=3, log_dir=tmp_path) as cluster:
+        first_holder, second_holder = cluster.running_holders
+        changed, same = "moved/1", "moved/2"
+        first = {changed: os.urandom(VALUE_BYTES), same: os.urandom(VALUE_BYTES)}
+        second = {changed: os.urandom(VALUE_BYTES), same: first[same]}
+        store = open_store(settings_for(cluster))
+        try:
+            for key, value in {**first, SENTINEL: os.urandom(VALUE_BYTES)}.items():
+                _put(store, key, value, first_holder.segment)
+            cluster.wait_held([*first, SENTINEL], "local_disk")
+            for key, value in second.items():
+                remove(store, key)
+                _put(store, key, value, second_holder.segment)
+            cluster.wait_held(second, "local_disk")
+        finally:
+            store.close()
+        directories = [first_holder.offload_dir, second_holder.offload_dir]
+        index = index_directories(directories)
+        older = {key: index.superseded[stored_key("default", key)] for key in first}
+        newer = {key: index[stored_key("default", key)] for key in first}
+        assert all(copy.path.parent == first_holder.offload_dir for (copy,) in older.values())
+        assert all(copy.path.parent == second_holder.offload_dir for copy in newer.values())
+
+        dirs = [argument for directory in directories for argument in ("--offload-dir", str(directory))]
+        report = tmp_path / "scan.json"
+        scanned = run_cli("scan", *cli_args(cluster), "--prefix", "moved/", "--read-mode", "peek", *dirs,
+                          "--format", "json", "--output", str(report), "--no-progress")
+        assert scanned.exit_code == 0, scanned.output
+        offload = json.loads(report.read_text())["summary"]["offload"]
+        assert (offload["disk_copies_compared"], offload["disk_copies_divergent"]) == (2, 0)
+        latent = offload["latent"]
+        assert (latent["copies"], latent["unlike_memory"], latent["older_copies"]) == (2, 1, 2), latent
+        digest = lambda value: f"{xxhash.xxh3_64_intdigest(value):016x}"  # noqa: E731
+        assert [(row["key"], row["file"], row["xxh3"], row["memory_xxh3"], row["newer_copy"]["file"])
+                for row in latent["named"]] == [
+            (key, str(older[key][0].path), digest(first[key]), digest(second[key]), str(newer[key].path))
+            for key in (changed, same)]  # the one unlike memory first
+        human = run_cli("scan", *cli_args(cluster), "--prefix", "moved/", "--read-mode", "peek", *dirs, "--no-progress")
+        assert "2 copy(ies), 1 unlike the bytes in memory, which a restart of the holder registers again in their " \
+               "place (2 older, beside a newer copy of the key on another holder: served again if that holder restarts " \
+               "once the key has left the store): moved/1, moved/2" in " ".join(human.stdout.split())
+
+        args = [str(report), *cli_args(cluster), "--stale-disk-copies", *dirs]
+        assert run_cli("purge", *args).stdout.splitlines() == [f"would-take-out {changed}"]
+        evidence = tmp_path / "evidence"
+        done = run_cli("purge", *args, "--yes", "--evidence", str(evidence))
+        assert done.exit_code == 0 and done.stdout.splitlines()[0] == f"taken-out    {changed}", done.output
+        (saved,) = (evidence / "disk-copies").glob("*.gz")
+        assert gzip.decompress(saved.read_bytes()) == first[changed]  # evidence first: the older copy's bytes
+        index = index_directories(directories)
+        assert index[stored_key("default", changed)] == newer[changed]  # the newer copy stays
+        assert stored_key("default", changed) not in index.superseded
+        assert index.superseded[stored_key("default", same)] == older[same]  # memory's bytes: left
+
+        store = open_store(settings_for(cluster))
+        try:
+            assert store.get(changed) == second[changed]
+            remove(store, changed)  # the key leaves the store; its first holder restarts
+        finally:
+            store.close()
+        cluster.restart_holder(first_holder)
+        cluster.wait_held([SENTINEL], "local_disk")  # the first holder's directory registered again
+        assert changed not in cluster.tiers([changed])  # its first value did not come back

@@ -114,13 +114,13 @@ def test_a_value_on_disk_that_no_master_lists_is_named(tiered):
     assert "disk copies (--offload-dir): 7 compared with memory, 0 divergent" in human.stdout
 
 
-def put_again(cluster: LocalCluster, values: dict[str, bytes]) -> None:
-    """`values`' keys removed by the application and put again with `values`, on the offloading holder."""
+def put_again(cluster: LocalCluster, values: dict[str, bytes], holder: int = 0) -> None:
+    """`values`' keys removed by the application and put again with `values`, on an offloading holder."""
     store = open_store(settings_for(cluster))
     try:
         for key, value in values.items():
             remove(store, key)
-            _put(store, key, value, cluster.running_holders[0].segment)
+            _put(store, key, value, cluster.running_holders[holder].segment)
     finally:
         store.close()
     time.sleep(3)  # offloading is eager (a heartbeat of 1 s): it would have happened by now

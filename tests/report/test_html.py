@@ -203,15 +203,17 @@ def test_the_ssd_tier_section_names_unlisted_values_and_latent_copies_as_text():
                    {"key": hostile, "file": "/mnt/nvme/offload/2.bucket", "offset": 262_153, "size": 256,
                     "xxh3": "00000000000000aa", "memory_xxh3": "00000000000000bb"},
                    {"key": "again/5", "file": "/mnt/nvme/offload/3.bucket", "offset": 9, "size": 256,
-                    "xxh3": "00000000000000cc", "memory_xxh3": "00000000000000cc"}]}}
+                    "xxh3": "00000000000000cc", "memory_xxh3": "00000000000000cc",
+                    "newer_copy": {"file": "/mnt/nvme/other/<b>4.bucket", "offset": 9}}]}}
     page_text = render_html(report([], offload=offload))
     assert "<img" not in page_text and "&lt;img src=x onerror=alert(1)&gt;" in page_text
     text = " ".join(Page(page_text).text)
     assert "7 disk copies compared with memory, 1 divergent" in text
     assert "On disk, listed by no master (1)" in text and "copies/2" in text
     assert "On disk, not listed for their key (2, 1 unlike memory)" in text
-    rows = re.findall(r'<tr><td class="key">(.*?)</td><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td>', page_text)
-    assert [(key, unlike) for key, _, _, unlike in rows[1:]] == [(inert_html(hostile, 512), "yes"), ("again/5", "no")]
+    rows = re.findall(r'<tr><td class="key">(.*?)</td><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td>', page_text)
+    assert [(key, newer, unlike) for key, _, _, newer, unlike in rows[1:]] == [
+        (inert_html(hostile, 512), "", "yes"), ("again/5", "/mnt/nvme/other/&lt;b&gt;4.bucket", "no")]
     assert "SSD tier" not in render_html(report([]))  # no --offload-dir: no section
 
 

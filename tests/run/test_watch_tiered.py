@@ -111,29 +111,39 @@ def test_watch_flags_a_both_tier_key_whose_disk_copy_changed_once(watchers, tmp_
 
 def test_watch_names_a_copy_no_master_lists_once_a_key_is_put_again(watchers, tmp_path):  # noqa: F811
     """A key removed and put again with other bytes stays in memory only, its first value's copy
-    still in its bucket (the bucket backend offloads a key once): the watcher reads the key again at
-    once, names the copy in one log line and two gauges, and flags nothing."""
-    with LocalCluster(holders=1, segment_mb=64, offload=True, bucket_keys=BUCKET_KEYS, log_dir=tmp_path) as cluster:
+    still in its bucket (the bucket backend offloads a key once); put again on another holder of the
+    host, a key is offloaded there and its first copy stays beside the new one. The watcher reads
+    each key again at once, names each copy in one log line and two gauges, and flags nothing."""
+    with LocalCluster(holders=2, segment_mb=64, offload=True, bucket_keys=1, client_ttl_s=3, log_dir=tmp_path) as cluster:
         values = fill(cluster, "again")
-        offload_dir = cluster.running_holders[0].offload_dir
-        watcher = watchers(cli_args(cluster), "again/", tmp_path / "state", "--read-mode", "peek",
-                           "--offload-dir", str(offload_dir), "--period", "1h")
+        directories = [holder.offload_dir for holder in cluster.running_holders]
+        dirs = [argument for directory in directories for argument in ("--offload-dir", str(directory))]
+        watcher = watchers(cli_args(cluster), "again/", tmp_path / "state", "--read-mode", "peek", *dirs,
+                           "--period", "1h")
         metrics = watcher.wait_for(lambda m: m.get("mooncake_audit_watch_keys_verified_within_period") == len(values),
                                    timeout_s=60)
         assert metrics["mooncake_audit_watch_disk_copies_not_listed"] == 0
-        changed = "again/3"
+        changed, moved = "again/3", "again/5"
         put_again(cluster, {changed: os.urandom(VALUE_BYTES)})
-        metrics = watcher.wait_for(lambda m: m.get("mooncake_audit_watch_disk_copies_not_listed_unlike_memory") == 1,
+        put_again(cluster, {moved: os.urandom(VALUE_BYTES)}, holder=1)
+        cluster.wait_held([moved], "local_disk")
+        metrics = watcher.wait_for(lambda m: m.get("mooncake_audit_watch_disk_copies_not_listed_unlike_memory") == 2,
                                    timeout_s=30)
-        assert metrics["mooncake_audit_watch_disk_copies_not_listed"] == 1 and metrics["mooncake_audit_findings"] == 0
+        assert metrics["mooncake_audit_watch_disk_copies_not_listed"] == 2 and metrics["mooncake_audit_findings"] == 0
         rounds = metrics["mooncake_audit_watch_rounds_total"]
         watcher.wait_for(lambda m: m["mooncake_audit_watch_rounds_total"] >= rounds + 3)  # named once, not again
         watcher.process.send_signal(signal.SIGTERM)
         _, stderr = watcher.process.communicate(timeout=15)
         assert watcher.process.returncode == 0
-    named = [line for line in stderr.decode().splitlines() if "on disk but not listed for its key" in line]
-    stored = index_directories([offload_dir])[stored_key("default", changed)]
-    assert named == [f"watch: on disk but not listed for its key: {changed} ({stored.path} at {stored.value_offset}), "
-                     "unlike the bytes in memory: a restart of its holder registers it again in their place"]
+    named = [line for line in stderr.decode().splitlines() if line.startswith("watch: on disk")]
+    index = index_directories(directories)
+    stored = index[stored_key("default", changed)]
+    (older,), newer = index.superseded[stored_key("default", moved)], index[stored_key("default", moved)]
+    assert (older.path.parent, newer.path.parent) == tuple(directories)
+    assert sorted(named) == [
+        f"watch: on disk beside a newer copy of its key: {moved} ({older.path} at {older.value_offset}; newer: "
+        f"{newer.path}), unlike the bytes in memory: served again if its holder restarts once the key has left the store",
+        f"watch: on disk but not listed for its key: {changed} ({stored.path} at {stored.value_offset}), "
+        "unlike the bytes in memory: a restart of its holder registers it again in their place"]
     assert not (tmp_path / "state" / "findings.jsonl").exists() or \
         (tmp_path / "state" / "findings.jsonl").read_text() == ""
