@@ -6,8 +6,9 @@ copy in its bucket, which the master does not list and a restart of the holder r
 place of the bytes in memory; put again on another holder of the host, the key is offloaded there
 and the first holder's copy stays beside the new one (docs/read-modes.md). Each copy named is
 taken out alone, where the report found it, and only while it still holds the bytes the report
-named and either a newer copy of its key still lies beside it (the one a master lists or a
-restart registers) or the master lists no disk copy of the key; its bytes are saved first
+named and either its key's current copy still lies beside it (the one the master lists, or
+the newest) or the master lists no disk copy of the key (an audited tenant's key: as its
+tenant's client describes it, which grants a lease and keeps the key); its bytes are saved first
 (`audit.forensics.disk_copies.quarantine`). A copy holding the bytes in memory is left: after a
 restart it serves the same value.
 """
@@ -15,11 +16,12 @@ restart it serves the same value.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 
 import xxhash
 
-from audit.connection import AdminClient, Settings
+from audit.connection import AdminClient, Settings, open_store
 from audit.errors import AuditError
 from audit.forensics.disk_copies import DEFAULT_TENANT, quarantine, value_bytes
 from audit.forensics.purge import PurgeOutcome
@@ -27,6 +29,7 @@ from audit.judge.crossref import read_report
 from audit.readers.buckets import stored_key
 from audit.readers.descriptors import query_answers
 from audit.readers.offload_index import copies_holding
+from audit.sources.tenants import tenant_key_tiers
 
 
 def stale_copies_of_report(path: Path) -> list[dict]:
@@ -45,37 +48,57 @@ def take_out_stale_copies(settings: Settings, rows: Iterable[dict], offload_dirs
                           execute: bool, evidence_dir: Path | None,
                           on_outcome: Callable[[PurgeOutcome], None]) -> list[PurgeOutcome]:
     """Each named copy: `would-take-out` (a dry run), `taken-out` (with its `disk_copies` row),
-    `listed` (the master lists a disk copy of the key now, and no newer copy lies beside this one),
+    `listed` (the master lists a disk copy of the key now, and its key's current copy does not lie beside this one),
     `gone` (no directory here holds the copy where the report found it), or `changed` (it holds
     other bytes than the report named)."""
     if not offload_dirs:
         raise AuditError("--stale-disk-copies needs --offload-dir (the holder's MOONCAKE_OFFLOAD_FILE_STORAGE_PATH)")
     admin = AdminClient(settings.admin)
+    tenants: dict[str, object] = {}
     outcomes = []
-    for row in rows:
-        key, place = row["key"], (row["file"], row["offset"])
-        outcome = PurgeOutcome(key, _action(admin, row, offload_dirs), row["xxh3"])
-        if outcome.action == "take-out":
-            outcome.action = "would-take-out"
-            if execute:
-                outcome.disk_copies = quarantine(offload_dirs, [key], evidence_dir, {place}).get(key, [])
-                outcome.action = "taken-out" if outcome.disk_copies else "gone"
-        outcomes.append(outcome)
-        on_outcome(outcome)
+    try:
+        for row in rows:
+            key, place, tenant = row["key"], (row["file"], row["offset"]), row.get("tenant") or DEFAULT_TENANT
+            if tenant == DEFAULT_TENANT:
+                lists_on_disk = partial(_lists_on_disk, admin)
+            else:
+                if tenant not in tenants:
+                    tenants[tenant] = open_store(settings, tenant=tenant)
+                lists_on_disk = partial(_tenant_lists_on_disk, tenants[tenant])
+            outcome = PurgeOutcome(key, _action(row, tenant, lists_on_disk, offload_dirs), row["xxh3"])
+            if outcome.action == "take-out":
+                outcome.action = "would-take-out"
+                if execute:
+                    outcome.disk_copies = quarantine(offload_dirs, [key], evidence_dir, {place}, tenant).get(key, [])
+                    outcome.action = "taken-out" if outcome.disk_copies else "gone"
+            outcomes.append(outcome)
+            on_outcome(outcome)
+    finally:
+        for client in tenants.values():
+            client.close()
     return outcomes
 
 
-def _action(admin: AdminClient, row: dict, offload_dirs: tuple[Path, ...]) -> str:
+def _lists_on_disk(admin: AdminClient, key: str) -> bool:
+    return bool((query_answers(admin, [key]).get(key) or {}).get("local_disk_values"))
+
+
+def _tenant_lists_on_disk(client, key: str) -> bool:
+    """Asked through the tenant's client, the only way to another tenant's key: a lease, which
+    leaves the key in place (this purge keeps it)."""
+    return "local_disk" in (tenant_key_tiers(client, key) or set())
+
+
+def _action(row: dict, tenant: str, lists_on_disk: Callable[[str], bool], offload_dirs: tuple[Path, ...]) -> str:
     copies = {(str(value.path), value.value_offset): value
-              for values in copies_holding(offload_dirs, {stored_key(DEFAULT_TENANT, row["key"])}).values()
+              for values in copies_holding(offload_dirs, {stored_key(tenant, row["key"])}).values()
               for value in values}
     copy = copies.get((row["file"], row["offset"]))
     if copy is None:
         return "gone"
     if xxhash.xxh3_64_hexdigest(value_bytes(copy)) != row["xxh3"]:
         return "changed"
-    newer = row.get("newer_copy")
-    if newer is not None and (newer["file"], newer["offset"]) in copies:
-        return "take-out"  # the key's newer copy stays: the one listed, or registered by a restart
-    answer = query_answers(admin, [row["key"]]).get(row["key"]) or {}
-    return "listed" if answer.get("local_disk_values") else "take-out"
+    current = row.get("current_copy")
+    if current is not None and (current["file"], current["offset"]) in copies:
+        return "take-out"  # the key's current copy stays: the one listed, or the newest
+    return "listed" if lists_on_disk(row["key"]) else "take-out"

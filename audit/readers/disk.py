@@ -19,6 +19,7 @@ bucket was written after the directories were indexed, is read from its old buck
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from audit.readers.buffers import ALIGNMENT, MAX_KEYS_PER_BATCH, FetchedBatch, H
 from audit.readers.confirm import Confirmation, KeyRead, confirmation_of
 from audit.readers.descriptors import Replica, query_answers, replicas_of
 from audit.readers.mapped import PAGE, MappedWindow, window_bytes
-from audit.readers.offload_index import index_directories
+from audit.readers.offload_index import OffloadIndex, index_directories
 from audit.readers.replicas import judge_disk_copy
 from audit.records import KeyInfo, KeyRecord, Verdict
 
@@ -61,6 +62,53 @@ def on_disk_only(key: KeyInfo) -> bool:
     return tiers == {"local_disk"} and "," not in key.name
 
 
+def _disk_endpoints(key: KeyInfo) -> set[str]:
+    return {str(replica.get("endpoint")) for replica in key.replicas if replica.get("tier") == "local_disk"}
+
+
+OWNER_SAMPLE = 8  # keys asked of the master per directory to learn which holder's it is
+
+
+def directory_owners(admin: AdminClient, index: OffloadIndex) -> dict[Path, str]:
+    """Each offload directory's holder as the master names it (the offload RPC endpoint it lists
+    disk replicas at): asked lease-free (`/batch_query_keys`) of up to OWNER_SAMPLE default-tenant
+    keys a directory alone holds; the endpoint most of them name, where more than half do (a key
+    put again on another host leaves a copy here that the master lists there)."""
+    sample: dict[str, Path] = {}
+    taken: dict[Path, int] = {}
+    prefix = stored_key(DEFAULT_TENANT, "")
+    for stored, value in index.items():
+        directory = index.directory_of(value)
+        if not stored.startswith(prefix) or stored in index.superseded or taken.get(directory, 0) >= OWNER_SAMPLE:
+            continue
+        sample[stored[len(prefix):].decode("utf-8", "replace")] = directory
+        taken[directory] = taken.get(directory, 0) + 1
+        if len(taken) == len(index.directories) and min(taken.values()) >= OWNER_SAMPLE:
+            break
+    votes: dict[Path, Counter] = {}
+    for name, answer in query_answers(admin, sample).items():
+        for replica in (answer or {}).get("local_disk_values") or []:
+            votes.setdefault(sample[name], Counter())[str(replica.get("transport_endpoint"))] += 1
+    return {directory: endpoint for directory, counts in votes.items()
+            for endpoint, count in counts.most_common(1) if 2 * count > taken[directory]}
+
+
+def listed_copy(admin: AdminClient, index: OffloadIndex, key: bytes, endpoints: set[str]) -> StoredValue | None:
+    """The copy of `key` the master lists at one of `endpoints` (its disk replicas' holders). Where
+    the directories hold one copy, that one; where several (a key put again on another holder of
+    this host), the one in the directory of one of those holders (`directory_owners`, learnt once
+    an index meets such a key), else the newest in a directory whose holder is not known, else none
+    here. With no endpoint (listed in memory only), the newest."""
+    if key not in index.superseded or not endpoints:
+        return index.get(key)
+    if index.owners is None:
+        index.owners = directory_owners(admin, index)
+    copies, known = index.copies(key), index.owners
+    owned = [copy for copy in copies if known.get(index.directory_of(copy)) in endpoints]
+    unknown = [copy for copy in copies if index.directory_of(copy) not in known]
+    return (owned or unknown or [None])[0]
+
+
 def _disk_sizes(answer: dict | None) -> set[int] | None:
     """The sizes of the disk replicas the master lists for a key; None when it no longer knows the key."""
     if answer is None or (not answer.get("ok") and answer.get("error") == "OBJECT_NOT_FOUND"):
@@ -78,6 +126,7 @@ class DiskReader:
         self.admin = admin
         self.directories = list(directories)
         self.index = index_directories(self.directories)
+        self._several: dict[str, KeyInfo] = {}  # the keys read of several copies, as listed: read again alike
         self.capacity = max(buffer_bytes // 2, ALIGNMENT)
         standing = window_bytes([self.capacity]) + MAX_KEYS_PER_BATCH * 2 * PAGE
         self.windows = [MappedWindow(standing), MappedWindow(standing)]  # address space only: no page touched
@@ -93,7 +142,11 @@ class DiskReader:
         return ([key for key, mine in zip(keys, held) if mine], [key for key, mine in zip(keys, held) if not mine])
 
     def _stored(self, key: KeyInfo) -> StoredValue | None:
-        return self.index.get(stored_key(DEFAULT_TENANT, key.name))
+        stored = stored_key(DEFAULT_TENANT, key.name)
+        if stored not in self.index.superseded:
+            return self.index.get(stored)
+        self._several.setdefault(key.name, key)  # its endpoints, for `confirm`'s keys made of names
+        return listed_copy(self.admin, self.index, stored, _disk_endpoints(self._several[key.name]))
 
     def order(self, keys: Sequence[KeyInfo]) -> list[KeyInfo]:
         """Keys by file and offset: a directory read front to back (keys not found first)."""
@@ -246,14 +299,14 @@ class DiskCopies:
         """Read `key`'s disk copy and judge it against `record` (the key as read from memory)."""
         if record.xxh3 is None:
             return
-        value = self.stored(key.name)
+        value = self.listed(key)
         if value is None:
             self.elsewhere += 1  # its holder's directory is not among ours (another host)
             return
         row = self._read(value)
         if row["status"] == "ok" and row["xxh3"] != f"{record.xxh3:016x}":
             self.index = index_directories(self.directories)
-            value = self.stored(key.name)
+            value = self.listed(key)
             row = self._read(value) if value is not None else None
             if row is None or not self._still_listed(key, row):
                 return
@@ -275,19 +328,55 @@ class DiskCopies:
             return None  # listed on disk by now: offloaded while it was read
         return self._named(record, value, {})
 
-    def superseded_copies(self, record: KeyRecord) -> list[dict]:
-        """The older copies on disk of `record`'s key, beside the newest one (the one read, compared
-        or named above): a key removed and put again on another holder of this host is offloaded
-        there, while the first holder's bucket keeps its first value, which no master lists and
-        which comes back if that holder restarts once the key has left the store (measured, docs/read-modes.md).
-        Each named, with the newer copy's place and whether it holds the bytes read."""
-        if record.tenant is not None or record.xxh3 is None:
+    def tenant_copy(self, record: KeyRecord, tiers_of: Callable[[str], set[str] | None]) -> None:
+        """An audited tenant's key, read through its tenant's client: the admin listing does not
+        show it, so `tiers_of` (that client's replica descriptors) says which tiers hold it, asked
+        only for a key whose copy the directories hold (it grants the lease the read already took).
+        Held in memory and on disk: the copy compared as `compare` does (REPLICA_DIVERGENT when it
+        differs, asked again after a fresh index before it stands); in memory only: the copy named
+        in `latent`, with its tenant, as `unlisted_copy` does; on disk only: the bytes read were its."""
+        value = self.stored(record.key, record.tenant) if record.tenant is not None else None
+        if value is None or record.xxh3 is None:
+            return
+        tiers = tiers_of(record.key)
+        if not tiers or "memory" not in tiers:
+            return
+        if "local_disk" not in tiers:
+            self._named(record, value, {"tenant": record.tenant})
+            return
+        row = self._read(value)
+        if row["status"] == "ok" and row["xxh3"] != f"{record.xxh3:016x}":
+            self.index = index_directories(self.directories)
+            value = self.stored(record.key, record.tenant)
+            row = self._read(value) if value is not None else None
+            if row is None or not {"memory", "local_disk"} <= (tiers_of(record.key) or set()):
+                return
+        before = Verdict.REPLICA_DIVERGENT in record.verdicts
+        judge_disk_copy(record, {**row, "endpoint": None})
+        self.compared += row["status"] == "ok"
+        self.divergent += not before and Verdict.REPLICA_DIVERGENT in record.verdicts
+
+    def superseded_copies(self, record: KeyRecord, key: KeyInfo | None = None) -> list[dict]:
+        """The copies on disk of `record`'s key beside its current one (the one the master lists,
+        `key` as listed on disk; else the newest: the one read, compared or named above): a key
+        removed and put again on another holder of this host is offloaded there, while the first
+        holder's bucket keeps its first value, which no master lists and which comes back if that
+        holder restarts once the key has left the store (measured, docs/read-modes.md). Each named,
+        with the current copy's place and whether it holds the bytes read."""
+        if record.xxh3 is None:
             return []
-        key = stored_key(DEFAULT_TENANT, record.key)
-        newest, older = self.index.get(key), self.index.superseded.get(key, [])
-        return [row for value in older
-                if (row := self._named(record, value, {"newer_copy": {"file": str(newest.path),
-                                                                      "offset": newest.value_offset}})) is not None]
+        stored = stored_key(record.tenant or DEFAULT_TENANT, record.key)
+        if stored not in self.index.superseded:
+            return []
+        current = self.listed(key) if key is not None else self.index[stored]
+        tenant = {"tenant": record.tenant} if record.tenant is not None else {}
+        place = {} if current is None else {"current_copy": {"file": str(current.path), "offset": current.value_offset}}
+        return [row for value in self.index.copies(stored)
+                if value != current and (row := self._named(record, value, {**tenant, **place}))]
+
+    def listed(self, key: KeyInfo) -> StoredValue | None:
+        """The copy of the default-tenant `key` the master lists on disk (`listed_copy`)."""
+        return listed_copy(self.admin, self.index, stored_key(DEFAULT_TENANT, key.name), _disk_endpoints(key))
 
     def _named(self, record: KeyRecord, value: StoredValue, extra: dict) -> dict | None:
         row = self._read(value)
@@ -297,9 +386,9 @@ class DiskCopies:
                             "xxh3": row["xxh3"], "memory_xxh3": f"{record.xxh3:016x}", **extra})
         return self.latent[-1]
 
-    def stored(self, name: str) -> StoredValue | None:
-        """Where the directories, as last indexed, hold the default-tenant key `name`'s value."""
-        return self.index.get(stored_key(DEFAULT_TENANT, name))
+    def stored(self, name: str, tenant: str = DEFAULT_TENANT) -> StoredValue | None:
+        """Where the directories, as last indexed, hold the key `name`'s value (the default tenant's)."""
+        return self.index.get(stored_key(tenant, name))
 
     def values(self, superseded: bool = False) -> Iterator[tuple[str, str, StoredValue]]:
         """(tenant, key, value) of every key's newest value in the directories, as last indexed
@@ -366,7 +455,7 @@ class DiskCopies:
     def summary(self, unlisted: dict | None) -> dict:
         latent = {"copies": len(self.latent),
                   "unlike_memory": sum(row["xxh3"] != row["memory_xxh3"] for row in self.latent),
-                  "older_copies": sum("newer_copy" in row for row in self.latent),
+                  "superseded": sum("current_copy" in row for row in self.latent),
                   "named": sorted(self.latent, key=lambda row: (row["xxh3"] == row["memory_xxh3"], row["key"]))[:UNLISTED_NAMED]}
         return {"directories": [str(directory) for directory in self.directories],
                 "disk_copies_compared": self.compared, "disk_copies_divergent": self.divergent,

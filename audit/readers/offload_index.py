@@ -97,9 +97,22 @@ class OffloadIndex(dict[bytes, StoredValue]):
     keeps its first value, which no master lists (measured: a restart of that holder registers
     nothing while the key is held elsewhere; one after the key left the store brings it back)."""
 
-    def __init__(self, newest: dict[bytes, StoredValue], superseded: dict[bytes, list[StoredValue]]):
+    def __init__(self, newest: dict[bytes, StoredValue], superseded: dict[bytes, list[StoredValue]],
+                 directories: list[Path]):
         super().__init__(newest)
         self.superseded = superseded
+        self.directories = directories
+        self.owners: dict[Path, str] | None = None  # each directory's holder, once learnt (`audit.readers.disk`)
+
+    def copies(self, key: bytes) -> list[StoredValue]:
+        """Every copy of `key` in the directories, newest first."""
+        newest = self.get(key)
+        return [] if newest is None else [newest, *reversed(self.superseded.get(key, []))]
+
+    def directory_of(self, value: StoredValue) -> Path:
+        """The offload directory a copy lies in (a key file lies below its directory)."""
+        return next((directory for directory in self.directories if value.path.is_relative_to(directory)),
+                    value.path.parent)
 
 
 _merged: dict[tuple[Path, ...], tuple[list, OffloadIndex]] = {}
@@ -116,7 +129,7 @@ def index_directories(directories: Iterable[Path]) -> OffloadIndex:
     key_files_found = [value for directory in found for value in key_files(directory)]
     last = _merged.get(tuple(found))
     if last is not None and not key_files_found and all(now is before for now, before in zip(listings, last[0])):
-        return OffloadIndex(last[1], last[1].superseded)
+        return OffloadIndex(last[1], last[1].superseded, found)
     rank = {directory: place for place, directory in enumerate(sorted(set(found)))}  # as their paths sort
     buckets = [(mtime, rank[directory], name, values)
                for directory, listing in zip(found, listings) for mtime, name, values in listing]
@@ -127,9 +140,9 @@ def index_directories(directories: Iterable[Path]) -> OffloadIndex:
     for *_, values in sorted(buckets, key=lambda bucket: bucket[:3]):
         for value in values:
             _newest(index, superseded, value)
-    merged = OffloadIndex(index, superseded)
+    merged = OffloadIndex(index, superseded, found)
     _merged[tuple(found)] = listings, merged
-    return OffloadIndex(merged, superseded)
+    return OffloadIndex(merged, superseded, found)
 
 
 def _newest(index: dict[bytes, StoredValue], superseded: dict[bytes, list[StoredValue]], value: StoredValue) -> None:

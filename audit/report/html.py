@@ -545,8 +545,10 @@ def _offload_section(summary: dict) -> str:
                      f"<th>tenant</th><th>file</th><th>offset</th><th>size</th></tr></thead><tbody>{rows}</tbody></table>")
     latent = offload.get("latent")
     if latent and latent["copies"]:
-        rows = "".join(f'<tr><td class="key">{inert_html(row["key"], KEY_SHOWN)}</td><td>{inert_html(row["file"], 200)}'
-                       f"</td><td>{row['offset']:,}</td><td>{inert_html(row['newer_copy']['file'], 200) if 'newer_copy' in row else ''}"
+        rows = "".join(f'<tr><td class="key">{inert_html(row["key"], KEY_SHOWN)}'
+                       f'{" (tenant " + inert_html(row["tenant"]) + ")" if row.get("tenant") else ""}'
+                       f'</td><td>{inert_html(row["file"], 200)}'
+                       f"</td><td>{row['offset']:,}</td><td>{inert_html(row['current_copy']['file'], 200) if 'current_copy' in row else ''}"
                        f"</td><td>{_yes_no(row['xxh3'] != row['memory_xxh3'])}</td>"
                        f'<td class="mono">{inert_html(row["xxh3"])}</td><td class="mono">{inert_html(row["memory_xxh3"])}</td></tr>'
                        for row in latent["named"][:OFFLOAD_NAMED])
@@ -554,8 +556,8 @@ def _offload_section(summary: dict) -> str:
                      f"{latent['unlike_memory']:,} unlike memory)</h3><p>Keys put again keep their first value's "
                      f"copy (Mooncake's bucket offload writes a key once), which a restart of the holder serves in "
                      f"place of the bytes in memory; put again on another holder, a key leaves its first copy beside "
-                     f"the newer one. Not findings.</p><table><thead><tr><th>key</th><th>file</th>"
-                     f"<th>offset</th><th>newer copy</th><th>unlike memory</th><th>disk xxh3</th><th>memory xxh3</th></tr></thead>"
+                     f"its current one. Not findings.</p><table><thead><tr><th>key</th><th>file</th>"
+                     f"<th>offset</th><th>key's current copy</th><th>unlike memory</th><th>disk xxh3</th><th>memory xxh3</th></tr></thead>"
                      f"<tbody>{rows}</tbody></table>")
     return f'<section id="offload"><h2>SSD tier</h2>{"".join(parts)}</section>'
 

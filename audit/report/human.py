@@ -91,12 +91,13 @@ def _offload_lines(offload: dict) -> list[str]:
                      f"registers again: {shown}{', ...' if unlisted['values'] > 5 else ''}")
     latent = offload.get("latent")
     if latent and latent["copies"]:
-        shown = ", ".join(printable(row["key"], 80) for row in latent["named"][:5])
-        older = latent.get("older_copies", 0)
+        shown = ", ".join(printable(row["key"], 80) + (f" (tenant {printable(row['tenant'], 40)})"
+                                                       if row.get("tenant") else "") for row in latent["named"][:5])
+        superseded = latent.get("superseded", 0)
         lines.append(f"on disk but not listed for its key: {latent['copies']} copy(ies), {latent['unlike_memory']} "
                      f"unlike the bytes in memory, which a restart of the holder registers again in their place"
-                     + (f" ({older} older, beside a newer copy of the key on another holder: served again if that holder "
-                        f"restarts once the key has left the store)" if older else "")
+                     + (f" ({superseded} beside the key's current copy on another holder: served again if their holder "
+                        f"restarts once the key has left the store)" if superseded else "")
                      + f": {shown}{', ...' if latent['copies'] > 5 else ''}")
     return lines
 

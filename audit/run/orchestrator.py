@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from functools import partial
 from collections.abc import Callable
 from datetime import datetime, timezone
 
@@ -26,7 +27,7 @@ from audit.judge.plan import CheckPlan
 from audit.judge.purged import PurgedKeys
 from audit.readers.disk import DiskCopies, in_both_tiers, listed_on_disk
 from audit.run.progress import ScanProgress
-from audit.records import KeyRecord, Report, Verdict
+from audit.records import KeyInfo, KeyRecord, Report, Verdict
 from audit.run.checkpoint import Checkpoint
 from audit.forensics.evidence import EvidenceStore
 from audit.run.scan import scan_keys
@@ -42,6 +43,7 @@ from audit.run.other_keys import (OtherKeys, TenantClients, find_other_tenants_k
                                   take_census_after)
 from audit.judge.coverage import replica_tiers
 from audit.sources.census import Census
+from audit.sources.tenants import tenant_key_tiers
 from audit.readers.throttle import ThrottledReader
 
 
@@ -82,13 +84,13 @@ def _select(keys: KeyTable, options: ScanOptions, state: StateDir | None, contex
     return selected
 
 
-def _by_disk_tier(keys: KeyTable) -> tuple[dict, set[str]]:
+def _by_disk_tier(keys: KeyTable) -> tuple[dict[str, KeyInfo], dict[str, KeyInfo]]:
     """The keys with a memory replica and a disk copy on a holder's SSD (`local_disk`), by name
-    (read from memory, their disk copies are compared with what was read), and the names of every
-    key listed with a disk copy (the others' copies on disk are ones no master lists)."""
+    (read from memory, their disk copies are compared with what was read), and every key listed
+    with a disk copy, by name (the others' copies on disk are ones no master lists)."""
     _, unusual = keys.unusual()
-    on_disk = [key for key in unusual if listed_on_disk(key)]
-    return {key.name: key for key in on_disk if in_both_tiers(key)}, {key.name for key in on_disk}
+    on_disk = {key.name: key for key in unusual if listed_on_disk(key)}
+    return {name: key for name, key in on_disk.items() if in_both_tiers(key)}, on_disk
 
 
 def _tenant_holds(other: OtherKeys, tenants: list[str]) -> Callable[[str, str], bool | None]:
@@ -328,7 +330,7 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
             records.add(record)
         keys_selected += len(other.keys) + len(other.records)
         disk_copies = DiskCopies(admin, options.offload_dirs) if options.offload_dirs else None
-        in_both_tiers, disk_listed = _by_disk_tier(keys) if disk_copies is not None else ({}, set())
+        in_both_tiers, disk_listed = _by_disk_tier(keys) if disk_copies is not None else ({}, {})
         keys, lease_only = split_lease_only(keys, options, on_ray=ray_scan is not None)
         other.groups.insert(0, (None, lease_only))
         progress.start(len(keys) + len(other.keys), keys.total_size() + sum(key.size or 0 for key in other.keys))
@@ -340,6 +342,9 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
                     disk_copies.compare(record, both)
                 elif record.key not in disk_listed:
                     disk_copies.unlisted_copy(record)
+                disk_copies.superseded_copies(record, disk_listed.get(record.key))
+            elif disk_copies is not None:  # an audited tenant's key
+                disk_copies.tenant_copy(record, partial(tenant_key_tiers, clients.client(record.tenant)))
                 disk_copies.superseded_copies(record)
             if purged is not None:
                 purged.judge(record)

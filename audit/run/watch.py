@@ -442,9 +442,9 @@ class Watcher:
             self._scan(keys, self._reader_for(admin, keys), stop, watch, records, read_at)
         if self.disk_copies is not None:
             for row in self.disk_copies.compare(records, by_name):
-                if "newer_copy" in row:
-                    self.log(f"watch: on disk beside a newer copy of its key: {printable(row['key'], 200)} "
-                             f"({row['file']} at {row['offset']}; newer: {row['newer_copy']['file']}), unlike the "
+                if "current_copy" in row:
+                    self.log(f"watch: on disk beside its key's current copy: {printable(row['key'], 200)} "
+                             f"({row['file']} at {row['offset']}; current: {row['current_copy']['file']}), unlike the "
                              f"bytes in memory: served again if its holder restarts once the key has left the store")
                 else:
                     self.log(f"watch: on disk but not listed for its key: {printable(row['key'], 200)} ({row['file']} "

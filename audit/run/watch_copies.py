@@ -44,7 +44,7 @@ class DiskCopyWatch:
         self._listed_before = False            # whether a round's listing came here before
         self.latent: dict[str, dict] = {}      # name: its copy no master lists (`DiskCopies.unlisted_copy`'s row)
         self._looked: dict[str, tuple] = {}    # name: its fingerprint when a copy no master lists was last looked at
-        self.older: dict[str, list[dict]] = {}  # name: its copies a newer one hides (`DiskCopies.superseded_copies`' rows)
+        self.older: dict[str, list[dict]] = {}  # name: its copies beside its current one (`DiskCopies.superseded_copies`' rows)
         self._older_looked: dict[str, tuple] = {}  # name: the places of those copies when they were last read
 
     def changed(self, table: KeyTable, rows_by_name: Mapping[str, int], state: WatchState) -> set[str]:
@@ -86,7 +86,7 @@ class DiskCopyWatch:
             if self.copies is None:  # a record round before the first listing
                 self.copies = DiskCopies(self.admin, self.directories)
             before = {(row["xxh3"], row["file"], row["offset"]) for row in self.older.pop(record.key, [])}
-            if rows := self.copies.superseded_copies(record):
+            if rows := self.copies.superseded_copies(record, key if listed_on_disk(key) else None):
                 self.older[record.key] = rows
                 self._older_looked[record.key] = self._older_places(record.key)
                 named += [row for row in rows if row["xxh3"] != row["memory_xxh3"]
@@ -106,7 +106,7 @@ class DiskCopyWatch:
         return named
 
     def rows(self) -> list[dict]:
-        """Every copy named now: those no master lists for their key, and the older ones beside a newer."""
+        """Every copy named now: those no master lists for their key, and those beside their key's current copy."""
         return [*self.latent.values(), *(row for rows in self.older.values() for row in rows)]
 
     def _older_places(self, name: str) -> tuple:
@@ -115,7 +115,7 @@ class DiskCopyWatch:
 
     def _fingerprint(self, key: KeyInfo, mtimes: dict[Path, int | None]) -> tuple | None:
         """What changes when either copy does; None when no directory here holds the disk copy."""
-        value = self.copies.stored(key.name)
+        value = self.copies.listed(key)
         if value is None:
             return None
         if value.path not in mtimes:

@@ -87,3 +87,16 @@ def find_tenant_keys(named: Sequence[NamedKey], tenants: Sequence[str], listed: 
         record = _not_found(key.name, key.tenant, failure, searched)
         (found[key.tenant].records if key.tenant is not None else unplaced).append(record)
     return list(found.values()), unplaced, outside_filter
+
+
+def tenant_key_tiers(client, name: str) -> set[str] | None:
+    """The tiers holding `name` as its tenant's client describes it (`memory`, `local_disk`,
+    `disk`); None when it holds none. Grants the key a lease, as every look-up through a tenant's
+    client does."""
+    try:
+        replicas = client.get_replica_desc(name)
+    except RuntimeError:
+        return None
+    tiers = {"memory" if replica.is_memory_replica() else "local_disk" if replica.is_local_disk_replica()
+             else "disk" if replica.is_disk_replica() else "other" for replica in replicas}
+    return tiers or None

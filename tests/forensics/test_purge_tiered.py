@@ -33,6 +33,7 @@ from tests.readers.test_disk_copies import (
 
 PURGED, LEFT_ON_DISK, REMOVED = "sticks/1", "sticks/6", "sticks/3"  # two zero values, one healthy key
 SENTINEL = "sentinel/0"  # a key only the first holder of two holds: on disk again once it has restarted
+RETURNS = "back/0"  # all zero on the first holder of two, put again on the second, removed: back from the first
 
 
 def _report(cluster: LocalCluster, key: str, path) -> None:
@@ -206,9 +207,11 @@ def test_a_key_put_again_on_another_holder_leaves_its_first_copy_which_is_named_
     second is offloaded there anew, and the first holder's bucket keeps its first value, which no
     master lists; a restart of that holder once the key has left the store serves it again (measured).
     The scan reads both directories and names the older copy beside the newer one (`latent`, with
-    `newer_copy`), whether it holds the bytes in memory or not; `purge --stale-disk-copies --yes`
+    `current_copy`), whether it holds the bytes in memory or not; `purge --stale-disk-copies --yes`
     takes out that copy alone (its bytes saved first), leaving the key's newer copy and the copy
-    that holds memory's bytes; the key removed and the first holder restarted, it stays gone."""
+    that holds memory's bytes; the key removed and the first holder restarted, it stays gone.
+    A key whose first copy (all zero) was not taken out comes back that way, listed on the first
+    holder alone, and is read from that copy, not the newer one beside it: ZERO_VALUE."""
     with LocalCluster(holders=2, segment_mb=64, offload=True, bucket_keys=1, client_ttl_s=3, log_dir=tmp_path) as cluster:
         first_holder, second_holder = cluster.running_holders
         changed, same = "moved/1", "moved/2"
@@ -216,13 +219,13 @@ def test_a_key_put_again_on_another_holder_leaves_its_first_copy_which_is_named_
         second = {changed: os.urandom(VALUE_BYTES), same: first[same]}
         store = open_store(settings_for(cluster))
         try:
-            for key, value in {**first, SENTINEL: os.urandom(VALUE_BYTES)}.items():
+            for key, value in {**first, SENTINEL: os.urandom(VALUE_BYTES), RETURNS: bytes(VALUE_BYTES)}.items():
                 _put(store, key, value, first_holder.segment)
-            cluster.wait_held([*first, SENTINEL], "local_disk")
-            for key, value in second.items():
+            cluster.wait_held([*first, SENTINEL, RETURNS], "local_disk")
+            for key, value in {**second, RETURNS: os.urandom(VALUE_BYTES)}.items():
                 remove(store, key)
                 _put(store, key, value, second_holder.segment)
-            cluster.wait_held(second, "local_disk")
+            cluster.wait_held([*second, RETURNS], "local_disk")
         finally:
             store.close()
         directories = [first_holder.offload_dir, second_holder.offload_dir]
@@ -240,15 +243,15 @@ def test_a_key_put_again_on_another_holder_leaves_its_first_copy_which_is_named_
         offload = json.loads(report.read_text())["summary"]["offload"]
         assert (offload["disk_copies_compared"], offload["disk_copies_divergent"]) == (2, 0)
         latent = offload["latent"]
-        assert (latent["copies"], latent["unlike_memory"], latent["older_copies"]) == (2, 1, 2), latent
+        assert (latent["copies"], latent["unlike_memory"], latent["superseded"]) == (2, 1, 2), latent
         digest = lambda value: f"{xxhash.xxh3_64_intdigest(value):016x}"  # noqa: E731
-        assert [(row["key"], row["file"], row["xxh3"], row["memory_xxh3"], row["newer_copy"]["file"])
+        assert [(row["key"], row["file"], row["xxh3"], row["memory_xxh3"], row["current_copy"]["file"])
                 for row in latent["named"]] == [
             (key, str(older[key][0].path), digest(first[key]), digest(second[key]), str(newer[key].path))
             for key in (changed, same)]  # the one unlike memory first
         human = run_cli("scan", *cli_args(cluster), "--prefix", "moved/", "--read-mode", "peek", *dirs, "--no-progress")
         assert "2 copy(ies), 1 unlike the bytes in memory, which a restart of the holder registers again in their " \
-               "place (2 older, beside a newer copy of the key on another holder: served again if that holder restarts " \
+               "place (2 beside the key's current copy on another holder: served again if their holder restarts " \
                "once the key has left the store): moved/1, moved/2" in " ".join(human.stdout.split())
 
         args = [str(report), *cli_args(cluster), "--stale-disk-copies", *dirs]
@@ -266,9 +269,24 @@ def test_a_key_put_again_on_another_holder_leaves_its_first_copy_which_is_named_
         store = open_store(settings_for(cluster))
         try:
             assert store.get(changed) == second[changed]
-            remove(store, changed)  # the key leaves the store; its first holder restarts
+            remove(store, changed)  # the keys leave the store; their first holder restarts
+            remove(store, RETURNS)
         finally:
             store.close()
-        cluster.restart_holder(first_holder)
+        first_holder = cluster.restart_holder(first_holder)
         cluster.wait_held([SENTINEL], "local_disk")  # the first holder's directory registered again
         assert changed not in cluster.tiers([changed])  # its first value did not come back
+        assert cluster.tiers([RETURNS]) == {RETURNS: {"local_disk"}}  # this one came back, from its first copy
+
+        index = index_directories(directories)
+        (listed,), (newest,) = [[copy for copy in index.copies(stored_key("default", RETURNS)) if copy.path.parent == d]
+                                for d in directories]
+        assert index[stored_key("default", RETURNS)] == newest  # the newest is not the one listed
+        code, document = scan_json([*cli_args(cluster), "--prefix", RETURNS, "--read-mode", "peek", "--all", *dirs])
+        assert code == 1 and document["summary"]["verdicts"] == {"ZERO_VALUE": 1}
+        (record,) = document["findings"]
+        assert record["xxh3"] == digest(bytes(VALUE_BYTES))
+        assert record["evidence"]["replicas"][0]["file"] == str(listed.path)  # read from the copy listed
+        ((row),) = document["summary"]["offload"]["latent"]["named"]
+        assert (row["file"], row["current_copy"]["file"], row["memory_xxh3"]) == (
+            str(newest.path), str(listed.path), digest(bytes(VALUE_BYTES)))

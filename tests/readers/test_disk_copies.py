@@ -7,6 +7,7 @@ One offloading holder, buckets of 4 keys, 8 values of 256 KiB: every key ends in
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -17,6 +18,7 @@ from audit.cluster import LocalCluster
 from audit.connection import open_store
 from audit.readers.buckets import stored_key
 from audit.readers.offload_index import index_directories
+from audit.sources.tenants import tenant_key_tiers
 from tests.conftest import settings_for
 from tests.helpers import by_key, run_cli, scan_json
 from tests.readers.test_tiered import _put, put_on_disk
@@ -223,3 +225,60 @@ def test_another_tenants_value_on_disk_is_named_where_the_run_found_its_key_gone
                "team-a)" in human.stdout
         _, unaudited = scan_json(args)
         assert unaudited["summary"]["offload"]["unlisted"] == {"values": 0, "other_tenants_values": 4, "named": []}
+
+
+def test_an_audited_tenants_disk_copies_are_compared_and_named_from_its_clients_tiers(tmp_path):
+    """The admin listing shows the default tenant's keys only, so an audited tenant's key (read
+    through its tenant's client) with a copy in the directories has its tiers asked of that client
+    (a lease, as its read took): in memory and on disk, the copy is compared (REPLICA_DIVERGENT when
+    it differs); in memory only (removed and put again), the copy is named in `latent` with its
+    tenant, and `purge --stale-disk-copies` takes it out, keeping the key."""
+    with LocalCluster(holders=1, segment_mb=64, offload=True, bucket_keys=1, tenants=("team-a",), client_ttl_s=3,
+                      log_dir=tmp_path) as cluster:
+        holder = cluster.running_holders[0]
+        values = {f"tb/{index}": os.urandom(VALUE_BYTES) for index in range(4)}
+        corrupted, changed = "tb/1", "tb/2"
+        tenant = open_store(settings_for(cluster), tenant="team-a")
+        try:
+            for key, value in values.items():
+                _put(tenant, key, value, holder.segment)
+            deadline = time.monotonic() + 30  # until the master lists every disk copy (not only once written)
+            while (not all("local_disk" in (tenant_key_tiers(tenant, key) or ()) for key in values)
+                   and time.monotonic() < deadline):
+                time.sleep(0.2)
+            remove(tenant, changed)
+            again = os.urandom(VALUE_BYTES)
+            _put(tenant, changed, again, holder.segment)
+        finally:
+            tenant.close()
+        index = index_directories([holder.offload_dir])
+        stored = index[stored_key("team-a", corrupted)]
+        with open(stored.path, "r+b") as bucket:
+            os.pwrite(bucket.fileno(), b"\xff" * 64, stored.value_offset + 4096)
+        named = tmp_path / "keys.txt"
+        named.write_text("".join(f"{key}\n" for key in values))
+        report = tmp_path / "scan.json"
+        args = [*cli_args(cluster), "--offload-dir", str(holder.offload_dir)]
+        scanned = run_cli("scan", *args, "--tenant", "team-a", "--keys", str(named), "--format", "json",
+                          "--output", str(report), "--no-progress")
+        assert scanned.exit_code == 1, scanned.output
+        document = json.loads(report.read_text())
+        summary = document["summary"]
+        assert summary["keys_scanned"] == len(values) and summary["verdicts"] == {"REPLICA_DIVERGENT": 1}
+        ((found_key, found_tenant),) = [(record["key"], record["tenant"]) for record in document["findings"]]
+        assert (found_key, found_tenant) == (corrupted, "team-a")
+        offload = summary["offload"]
+        assert (offload["disk_copies_compared"], offload["disk_copies_divergent"]) == (3, 1)
+        ((row),) = offload["latent"]["named"]
+        assert (row["key"], row["tenant"], row["xxh3"], row["memory_xxh3"]) == (
+            changed, "team-a", _digest(values[changed]), _digest(again))
+        assert offload["unlisted"]["values"] == 0
+
+        done = run_cli("purge", str(report), *args, "--stale-disk-copies", "--yes", "--evidence", str(tmp_path / "ev"))
+        assert done.exit_code == 0 and done.stdout.splitlines()[0] == f"taken-out    {changed}", done.output
+        assert stored_key("team-a", changed) not in index_directories([holder.offload_dir])
+        tenant = open_store(settings_for(cluster), tenant="team-a")
+        try:
+            assert tenant.get(changed) == again  # the key stays
+        finally:
+            tenant.close()

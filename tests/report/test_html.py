@@ -204,7 +204,7 @@ def test_the_ssd_tier_section_names_unlisted_values_and_latent_copies_as_text():
                     "xxh3": "00000000000000aa", "memory_xxh3": "00000000000000bb"},
                    {"key": "again/5", "file": "/mnt/nvme/offload/3.bucket", "offset": 9, "size": 256,
                     "xxh3": "00000000000000cc", "memory_xxh3": "00000000000000cc",
-                    "newer_copy": {"file": "/mnt/nvme/other/<b>4.bucket", "offset": 9}}]}}
+                    "current_copy": {"file": "/mnt/nvme/other/<b>4.bucket", "offset": 9}}]}}
     page_text = render_html(report([], offload=offload))
     assert "<img" not in page_text and "&lt;img src=x onerror=alert(1)&gt;" in page_text
     text = " ".join(Page(page_text).text)

@@ -141,7 +141,7 @@ def test_watch_names_a_copy_no_master_lists_once_a_key_is_put_again(watchers, tm
     (older,), newer = index.superseded[stored_key("default", moved)], index[stored_key("default", moved)]
     assert (older.path.parent, newer.path.parent) == tuple(directories)
     assert sorted(named) == [
-        f"watch: on disk beside a newer copy of its key: {moved} ({older.path} at {older.value_offset}; newer: "
+        f"watch: on disk beside its key's current copy: {moved} ({older.path} at {older.value_offset}; current: "
         f"{newer.path}), unlike the bytes in memory: served again if its holder restarts once the key has left the store",
         f"watch: on disk but not listed for its key: {changed} ({stored.path} at {stored.value_offset}), "
         "unlike the bytes in memory: a restart of its holder registers it again in their place"]
