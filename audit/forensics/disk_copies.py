@@ -42,8 +42,8 @@ def value_bytes(value: StoredValue) -> bytes:
 
 def quarantine(directories: Iterable[Path], names: Iterable[str], evidence_dir: Path,
                places: Container[tuple[str, int]] | None = None, tenant: str = DEFAULT_TENANT) -> dict[str, list[dict]]:
-    """Take the keys `names` (the default tenant's) out of every file of `directories` that holds them
-    (`places`: only their copies at these (file, value offset)); per key, one row per copy taken
+    """Take `tenant`'s keys `names` out of every file of `directories` that holds them (`places`:
+    only their copies at these (file, value offset)); per key, one row per copy taken
     out (`how`: `meta-rewritten` or `bucket-moved`, `evidence`: its bytes under the evidence
     directory; `file-moved` for the file-per-key backend). Keys no file there holds are left out."""
     wanted = {stored_key(tenant, name): name for name in names}

@@ -48,9 +48,9 @@ def take_out_stale_copies(settings: Settings, rows: Iterable[dict], offload_dirs
                           execute: bool, evidence_dir: Path | None,
                           on_outcome: Callable[[PurgeOutcome], None]) -> list[PurgeOutcome]:
     """Each named copy: `would-take-out` (a dry run), `taken-out` (with its `disk_copies` row),
-    `listed` (the master lists a disk copy of the key now, and its key's current copy does not lie beside this one),
-    `gone` (no directory here holds the copy where the report found it), or `changed` (it holds
-    other bytes than the report named)."""
+    `listed` (the master lists a disk copy of the key now, and the key's current copy does not lie
+    beside this one), `gone` (no directory here holds the copy where the report found it), or
+    `changed` (it holds other bytes than the report named)."""
     if not offload_dirs:
         raise AuditError("--stale-disk-copies needs --offload-dir (the holder's MOONCAKE_OFFLOAD_FILE_STORAGE_PATH)")
     admin = AdminClient(settings.admin)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import threading
 import time
-from functools import partial
 from collections.abc import Callable
 from datetime import datetime, timezone
+from functools import partial
 
 from audit.connection import AdminClient, Settings, open_store
 from audit.connection import _reachable as reachable
@@ -337,15 +337,15 @@ def _scan(settings, options, sink, progress, key_filter, checker, state, signals
         phases.add("planning (selection, coverage tiers, checkpoint)", time.perf_counter() - planning_rest)
 
         def emit(record: KeyRecord) -> None:
-            if record.tenant is None and disk_copies is not None:
+            if disk_copies is not None and record.tenant is not None:  # an audited tenant's key
+                disk_copies.tenant_copy(record, partial(tenant_key_tiers, clients.client(record.tenant)))
+                disk_copies.superseded_copies(record)
+            elif disk_copies is not None:
                 if (both := in_both_tiers.get(record.key)) is not None:
                     disk_copies.compare(record, both)
                 elif record.key not in disk_listed:
                     disk_copies.unlisted_copy(record)
                 disk_copies.superseded_copies(record, disk_listed.get(record.key))
-            elif disk_copies is not None:  # an audited tenant's key
-                disk_copies.tenant_copy(record, partial(tenant_key_tiers, clients.client(record.tenant)))
-                disk_copies.superseded_copies(record)
             if purged is not None:
                 purged.judge(record)
             records.add(record)

@@ -6,7 +6,9 @@ A key listed with no disk copy whose copy a directory still holds (the bucket ba
 key once: a key removed and put again keeps its first value's copy, which a restart of the holder
 registers in place of memory's) is read again when it becomes such a key, or its copy or memory
 replicas change, and its copy named (`latent`): a line in the log when it is unlike the bytes in
-memory, and two gauges. Not a finding, as in `check` (docs/read-modes.md).
+memory, and two gauges. Not a finding, as in `check` (docs/read-modes.md). So is a key's copy beside
+its current one (the key put again on another holder of this host): read again when such a copy
+appears, named once.
 
 A watcher runs forever, so the copies are not compared every round. A both-tier key's disk copy is
 read and compared whenever the key itself is read (new, re-verified once a period, named by a
@@ -88,9 +90,10 @@ class DiskCopyWatch:
             before = {(row["xxh3"], row["file"], row["offset"]) for row in self.older.pop(record.key, [])}
             if rows := self.copies.superseded_copies(record, key if listed_on_disk(key) else None):
                 self.older[record.key] = rows
-                self._older_looked[record.key] = self._older_places(record.key)
                 named += [row for row in rows if row["xxh3"] != row["memory_xxh3"]
                           and (row["xxh3"], row["file"], row["offset"]) not in before]
+            if places := self._older_places(record.key):  # (looked at, whether or not a copy could be read)
+                self._older_looked[record.key] = places
             if in_both_tiers(key):
                 self.copies.compare(record, key)
                 if (copies := self._fingerprint(key, {})) is not None:
