@@ -81,7 +81,7 @@ def directory_owners(admin: AdminClient, index: OffloadIndex) -> dict[Path, str]
         directory = index.directory_of(value)
         if not stored.startswith(prefix) or stored in index.superseded or taken.get(directory, 0) >= OWNER_SAMPLE:
             continue
-        sample[stored[len(prefix):].decode("utf-8", "replace")] = directory
+        sample[tenant_and_key(stored)[1]] = directory
         taken[directory] = taken.get(directory, 0) + 1
         if len(taken) == len(index.directories) and min(taken.values()) >= OWNER_SAMPLE:
             break
@@ -303,15 +303,23 @@ class DiskCopies:
         if value is None:
             self.elsewhere += 1  # its holder's directory is not among ours (another host)
             return
+        self._judged(record, value, lambda: self.listed(key), lambda row: self._still_listed(key, row),
+                     _disk_endpoint(key))
+
+    def _judged(self, record: KeyRecord, value: StoredValue, located: Callable[[], StoredValue | None],
+                still_listed: Callable[[dict], bool], endpoint: str | None) -> None:
+        """The copy at `value` read and judged against `record` (`judge_disk_copy`), counted; one
+        unlike the bytes read is read again from a fresh index (`located`) and stands only while
+        `still_listed` says the key is held as it was read."""
         row = self._read(value)
         if row["status"] == "ok" and row["xxh3"] != f"{record.xxh3:016x}":
             self.index = index_directories(self.directories)
-            value = self.listed(key)
+            value = located()
             row = self._read(value) if value is not None else None
-            if row is None or not self._still_listed(key, row):
+            if row is None or not still_listed(row):
                 return
         before = Verdict.REPLICA_DIVERGENT in record.verdicts
-        judge_disk_copy(record, {**row, "endpoint": _disk_endpoint(key)})
+        judge_disk_copy(record, {**row, "endpoint": endpoint})
         self.compared += row["status"] == "ok"
         self.divergent += not before and Verdict.REPLICA_DIVERGENT in record.verdicts
 
@@ -344,17 +352,8 @@ class DiskCopies:
         if "local_disk" not in tiers:
             self._named(record, value, {"tenant": record.tenant})
             return
-        row = self._read(value)
-        if row["status"] == "ok" and row["xxh3"] != f"{record.xxh3:016x}":
-            self.index = index_directories(self.directories)
-            value = self.stored(record.key, record.tenant)
-            row = self._read(value) if value is not None else None
-            if row is None or not {"memory", "local_disk"} <= (tiers_of(record.key) or set()):
-                return
-        before = Verdict.REPLICA_DIVERGENT in record.verdicts
-        judge_disk_copy(record, {**row, "endpoint": None})
-        self.compared += row["status"] == "ok"
-        self.divergent += not before and Verdict.REPLICA_DIVERGENT in record.verdicts
+        self._judged(record, value, lambda: self.stored(record.key, record.tenant),
+                     lambda row: {"memory", "local_disk"} <= (tiers_of(record.key) or set()), None)
 
     def superseded_copies(self, record: KeyRecord, key: KeyInfo | None = None) -> list[dict]:
         """The copies on disk of `record`'s key beside its current one (the one the master lists,
