@@ -7,8 +7,10 @@ place of the bytes in memory; put again on another holder of the host, the key i
 and the first holder's copy stays beside the new one (docs/read-modes.md). Each copy named is
 taken out alone, where the report found it, and only while it still holds the bytes the report
 named and either its key's current copy still lies beside it (the one the master lists, or
-the newest) or the master lists no disk copy of the key (an audited tenant's key: as its
-tenant's client describes it, which grants a lease and keeps the key); its bytes are saved first
+the newest), or the master lists the key's disk copy on another holder than this copy's
+(`directory_owners`: a key put again on another host), or the master lists no disk copy of the
+key (an audited tenant's key: as its tenant's client describes it, which grants a lease and keeps
+the key, and names no holder); its bytes are saved first
 (`audit.forensics.disk_copies.quarantine`). A copy holding the bytes in memory is left: after a
 restart it serves the same value.
 """
@@ -26,9 +28,10 @@ from audit.errors import AuditError
 from audit.forensics.disk_copies import DEFAULT_TENANT, quarantine, value_bytes
 from audit.forensics.purge import PurgeOutcome
 from audit.judge.crossref import read_report
-from audit.readers.buckets import stored_key
+from audit.readers.buckets import StoredValue, stored_key
 from audit.readers.descriptors import query_answers
-from audit.readers.offload_index import copies_holding
+from audit.readers.disk import directory_owners
+from audit.readers.offload_index import OffloadIndex, copies_holding, index_directories
 from audit.sources.tenants import tenant_key_tiers
 
 
@@ -48,24 +51,25 @@ def take_out_stale_copies(settings: Settings, rows: Iterable[dict], offload_dirs
                           execute: bool, evidence_dir: Path | None,
                           on_outcome: Callable[[PurgeOutcome], None]) -> list[PurgeOutcome]:
     """Each named copy: `would-take-out` (a dry run), `taken-out` (with its `disk_copies` row),
-    `listed` (the master lists a disk copy of the key now, and the key's current copy does not lie
-    beside this one), `gone` (no directory here holds the copy where the report found it), or
+    `listed` (the master lists a disk copy of the key now, on this copy's holder or one it cannot
+    tell from it, and the key's current copy does not lie beside this one), `gone` (no directory here holds the copy where the report found it), or
     `changed` (it holds other bytes than the report named)."""
     if not offload_dirs:
         raise AuditError("--stale-disk-copies needs --offload-dir (the holder's MOONCAKE_OFFLOAD_FILE_STORAGE_PATH)")
     admin = AdminClient(settings.admin)
+    holders = _Holders(admin, offload_dirs)
     tenants: dict[str, object] = {}
     outcomes = []
     try:
         for row in rows:
             key, place, tenant = row["key"], (row["file"], row["offset"]), row.get("tenant") or DEFAULT_TENANT
             if tenant == DEFAULT_TENANT:
-                lists_on_disk = partial(_lists_on_disk, admin)
+                listed_at = partial(_listed_at, admin)
             else:
                 if tenant not in tenants:
                     tenants[tenant] = open_store(settings, tenant=tenant)
-                lists_on_disk = partial(_tenant_lists_on_disk, tenants[tenant])
-            outcome = PurgeOutcome(key, _action(row, tenant, lists_on_disk, offload_dirs), row["xxh3"])
+                listed_at = partial(_tenant_listed_at, tenants[tenant])
+            outcome = PurgeOutcome(key, _action(row, tenant, listed_at, holders.of, offload_dirs), row["xxh3"])
             if outcome.action == "take-out":
                 outcome.action = "would-take-out"
                 if execute:
@@ -79,17 +83,34 @@ def take_out_stale_copies(settings: Settings, rows: Iterable[dict], offload_dirs
     return outcomes
 
 
-def _lists_on_disk(admin: AdminClient, key: str) -> bool:
-    return bool((query_answers(admin, [key]).get(key) or {}).get("local_disk_values"))
+class _Holders:
+    """Each offload directory's holder (`directory_owners`), learnt once a copy's is asked."""
+
+    def __init__(self, admin: AdminClient, offload_dirs: tuple[Path, ...]):
+        self.admin, self.offload_dirs = admin, offload_dirs
+        self.index: OffloadIndex | None = None
+
+    def of(self, copy: StoredValue) -> str | None:
+        if self.index is None:
+            self.index = index_directories(self.offload_dirs)
+            self.index.owners = directory_owners(self.admin, self.index)
+        return self.index.owner_of(copy)
 
 
-def _tenant_lists_on_disk(client, key: str) -> bool:
+def _listed_at(admin: AdminClient, key: str) -> set[str]:
+    """The holders (offload endpoints) the master lists the key's disk copies on; empty: none."""
+    return {str(replica.get("transport_endpoint"))
+            for replica in (query_answers(admin, [key]).get(key) or {}).get("local_disk_values") or []}
+
+
+def _tenant_listed_at(client, key: str) -> set[str] | None:
     """Asked through the tenant's client, the only way to another tenant's key: a lease, which
-    leaves the key in place (this purge keeps it)."""
-    return "local_disk" in (tenant_key_tiers(client, key) or set())
+    leaves the key in place (this purge keeps it). None: listed on disk, on a holder not named."""
+    return None if "local_disk" in (tenant_key_tiers(client, key) or set()) else set()
 
 
-def _action(row: dict, tenant: str, lists_on_disk: Callable[[str], bool], offload_dirs: tuple[Path, ...]) -> str:
+def _action(row: dict, tenant: str, listed_at: Callable[[str], set[str] | None],
+            holder_of: Callable[[StoredValue], str | None], offload_dirs: tuple[Path, ...]) -> str:
     copies = {(str(value.path), value.value_offset): value
               for values in copies_holding(offload_dirs, {stored_key(tenant, row["key"])}).values()
               for value in values}
@@ -99,6 +120,9 @@ def _action(row: dict, tenant: str, lists_on_disk: Callable[[str], bool], offloa
     if xxhash.xxh3_64_hexdigest(value_bytes(copy)) != row["xxh3"]:
         return "changed"
     current = row.get("current_copy")
-    if current is not None and (current["file"], current["offset"]) in copies:
+    if current is not None and (current.get("file"), current.get("offset")) in copies:
         return "take-out"  # the key's current copy stays: the one listed, or the newest
-    return "listed" if lists_on_disk(row["key"]) else "take-out"
+    holders = listed_at(row["key"])
+    if holders is None:
+        return "listed"
+    return "take-out" if not holders or holder_of(copy) not in {*holders, None} else "listed"

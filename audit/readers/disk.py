@@ -72,12 +72,13 @@ OWNER_SAMPLE = 8  # keys asked of the master per directory to learn which holder
 def directory_owners(admin: AdminClient, index: OffloadIndex) -> dict[Path, str]:
     """Each offload directory's holder as the master names it (the offload RPC endpoint it lists
     disk replicas at): asked lease-free (`/batch_query_keys`) of up to OWNER_SAMPLE default-tenant
-    keys a directory alone holds; the endpoint most of them name, where more than half do (a key
-    put again on another host leaves a copy here that the master lists there)."""
+    keys a directory alone holds, newest first; the endpoint most of them name, where more than half
+    do. A key put again on another holder leaves a copy here that the master lists there, and the
+    older a copy, the likelier that is: so the newest are asked."""
     sample: dict[str, Path] = {}
     taken: dict[Path, int] = {}
     prefix = stored_key(DEFAULT_TENANT, "")
-    for stored, value in index.items():
+    for stored, value in reversed(index.items()):  # the index holds its values oldest bucket first
         directory = index.directory_of(value)
         if not stored.startswith(prefix) or stored in index.superseded or taken.get(directory, 0) >= OWNER_SAMPLE:
             continue
@@ -94,19 +95,28 @@ def directory_owners(admin: AdminClient, index: OffloadIndex) -> dict[Path, str]
 
 
 def listed_copy(admin: AdminClient, index: OffloadIndex, key: bytes, endpoints: set[str]) -> StoredValue | None:
-    """The copy of `key` the master lists at one of `endpoints` (its disk replicas' holders). Where
-    the directories hold one copy, that one; where several (a key put again on another holder of
-    this host), the one in the directory of one of those holders (`directory_owners`, learnt once
-    an index meets such a key), else the newest in a directory whose holder is not known, else none
-    here. With no endpoint (listed in memory only), the newest."""
-    if key not in index.superseded or not endpoints:
-        return index.get(key)
+    """The copy of `key` the master lists at one of `endpoints` (its disk replicas' holders): the
+    one in the directory of one of those holders (`directory_owners`, learnt once an index meets a
+    key listed on disk), else the newest in a directory whose holder is not known, else none here.
+    A copy in the directory of another holder is never the listed one, even where it is the only
+    copy here: the key was put again on a holder elsewhere (another host's, or one whose directory
+    was not given), and that copy holds its first value. With no endpoint (listed in memory only),
+    the newest."""
+    copies = index.copies(key)
+    if not copies or not endpoints:
+        return copies[0] if copies else None
     if index.owners is None:
         index.owners = directory_owners(admin, index)
-    copies, known = index.copies(key), index.owners
-    owned = [copy for copy in copies if known.get(index.directory_of(copy)) in endpoints]
-    unknown = [copy for copy in copies if index.directory_of(copy) not in known]
+    owners = [index.owner_of(copy) for copy in copies]
+    owned = [copy for copy, owner in zip(copies, owners) if owner in endpoints]
+    unknown = [copy for copy, owner in zip(copies, owners) if owner is None]
     return (owned or unknown or [None])[0]
+
+
+def _disk_rows(record: KeyRecord) -> list[dict]:
+    """The disk replica a record was read from, as it was listed: read again at the same holder's copy."""
+    return [{"tier": "local_disk", "endpoint": row["endpoint"]} for row in record.evidence.get("replicas", [])
+            if row.get("tier") == "local_disk" and row.get("endpoint")]
 
 
 def _disk_sizes(answer: dict | None) -> set[int] | None:
@@ -126,7 +136,6 @@ class DiskReader:
         self.admin = admin
         self.directories = list(directories)
         self.index = index_directories(self.directories)
-        self._several: dict[str, KeyInfo] = {}  # the keys read of several copies, as listed: read again alike
         self.capacity = max(buffer_bytes // 2, ALIGNMENT)
         standing = window_bytes([self.capacity]) + MAX_KEYS_PER_BATCH * 2 * PAGE
         self.windows = [MappedWindow(standing), MappedWindow(standing)]  # address space only: no page touched
@@ -142,11 +151,7 @@ class DiskReader:
         return ([key for key, mine in zip(keys, held) if mine], [key for key, mine in zip(keys, held) if not mine])
 
     def _stored(self, key: KeyInfo) -> StoredValue | None:
-        stored = stored_key(DEFAULT_TENANT, key.name)
-        if stored not in self.index.superseded:
-            return self.index.get(stored)
-        self._several.setdefault(key.name, key)  # its endpoints, for `confirm`'s keys made of names
-        return listed_copy(self.admin, self.index, stored, _disk_endpoints(self._several[key.name]))
+        return listed_copy(self.admin, self.index, stored_key(DEFAULT_TENANT, key.name), _disk_endpoints(key))
 
     def order(self, keys: Sequence[KeyInfo]) -> list[KeyInfo]:
         """Keys by file and offset: a directory read front to back (keys not found first)."""
@@ -205,7 +210,7 @@ class DiskReader:
         the second read saw the bytes the first one judged."""
         self.index = index_directories(self.directories)
         by_name = {record.key: record for record in records if record.xxh3 is not None}
-        keys = [KeyInfo(name=record.key, size=record.size) for record in by_name.values()]
+        keys = [KeyInfo(name=record.key, size=record.size, replicas=_disk_rows(record)) for record in by_name.values()]
         confirmations: dict[str, Confirmation] = {}
         for slots in plan_batches(keys, self.capacity):
             buffer = HostBuffer(slots[-1].offset + (slots[-1].key.size or 0))
@@ -358,20 +363,24 @@ class DiskCopies:
     def superseded_copies(self, record: KeyRecord, key: KeyInfo | None = None) -> list[dict]:
         """The copies on disk of `record`'s key beside its current one (the one the master lists,
         `key` as listed on disk; else the newest: the one read, compared or named above): a key
-        removed and put again on another holder of this host is offloaded there, while the first
-        holder's bucket keeps its first value, which no master lists and which comes back if that
-        holder restarts once the key has left the store (measured, docs/read-modes.md). Each named,
-        with the current copy's place and whether it holds the bytes read."""
+        removed and put again on another holder is offloaded there, while the first holder's bucket
+        keeps its first value, which no master lists and which comes back if that holder restarts
+        once the key has left the store (measured, docs/read-modes.md). Each named, with the current
+        copy's place: its file and offset, or, where its holder's directory is not among these (the
+        key put again on another host), the holder's endpoint; and whether it holds the bytes read."""
         if record.xxh3 is None:
             return []
         stored = stored_key(record.tenant or DEFAULT_TENANT, record.key)
-        if stored not in self.index.superseded:
+        copies = self.index.copies(stored)
+        if not copies or (len(copies) == 1 and key is None):
             return []
-        current = self.listed(key) if key is not None else self.index[stored]
+        current = self.listed(key) if key is not None else copies[0]
+        if current is None:
+            place = {"current_copy": {"endpoint": _disk_endpoint(key)}}
+        else:
+            place = {"current_copy": {"file": str(current.path), "offset": current.value_offset}}
         tenant = {"tenant": record.tenant} if record.tenant is not None else {}
-        place = {} if current is None else {"current_copy": {"file": str(current.path), "offset": current.value_offset}}
-        return [row for value in self.index.copies(stored)
-                if value != current and (row := self._named(record, value, {**tenant, **place}))]
+        return [row for value in copies if value != current and (row := self._named(record, value, {**tenant, **place}))]
 
     def listed(self, key: KeyInfo) -> StoredValue | None:
         """The copy of the default-tenant `key` the master lists on disk (`listed_copy`)."""

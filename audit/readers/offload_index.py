@@ -103,6 +103,7 @@ class OffloadIndex(dict[bytes, StoredValue]):
         self.superseded = superseded
         self.directories = directories
         self.owners: dict[Path, str] | None = None  # each directory's holder, once learnt (`audit.readers.disk`)
+        self._directory_of_file: dict[Path, Path] = {}
 
     def copies(self, key: bytes) -> list[StoredValue]:
         """Every copy of `key` in the directories, newest first."""
@@ -111,8 +112,16 @@ class OffloadIndex(dict[bytes, StoredValue]):
 
     def directory_of(self, value: StoredValue) -> Path:
         """The offload directory a copy lies in (a key file lies below its directory)."""
-        return next((directory for directory in self.directories if value.path.is_relative_to(directory)),
-                    value.path.parent)
+        directory = self._directory_of_file.get(value.path)
+        if directory is None:
+            directory = next((directory for directory in self.directories if value.path.is_relative_to(directory)),
+                             value.path.parent)
+            self._directory_of_file[value.path] = directory
+        return directory
+
+    def owner_of(self, value: StoredValue) -> str | None:
+        """The holder of the directory a copy lies in, as learnt (`owners`); None where not known."""
+        return (self.owners or {}).get(self.directory_of(value))
 
 
 _merged: dict[tuple[Path, ...], tuple[list, OffloadIndex]] = {}

@@ -30,3 +30,9 @@ def missed_keys(coverage: dict) -> int | None:
     """Keys the master holds that the run should have audited and did not (None: not countable)."""
     counts = [gap["keys"] for gap in coverage["not_audited"] if gap["blocking"]]
     return None if None in counts else sum(counts)
+
+
+def current_copy_place(current: dict) -> str:
+    """Where a latent copy's key's current copy lies: its file here, or the holder the master lists
+    it on, whose directory was not among those read (the key put again on another host)."""
+    return current["file"] if "file" in current else f"on holder {current['endpoint']}, not in these directories"

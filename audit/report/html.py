@@ -17,7 +17,7 @@ from pathlib import Path
 
 from audit.errors import AuditError
 from audit.records import FINDINGS, INCOMPLETE, UNJUDGED
-from audit.report.coverage import coverage_headline, gap_lines, missed_keys
+from audit.report.coverage import coverage_headline, current_copy_place, gap_lines, missed_keys
 from audit.report.inert import human_bytes, printable
 from audit.report.output import ReportOutput
 
@@ -548,7 +548,7 @@ def _offload_section(summary: dict) -> str:
         rows = "".join(f'<tr><td class="key">{inert_html(row["key"], KEY_SHOWN)}'
                        f'{" (tenant " + inert_html(row["tenant"]) + ")" if row.get("tenant") else ""}'
                        f'</td><td>{inert_html(row["file"], 200)}'
-                       f"</td><td>{row['offset']:,}</td><td>{inert_html(row['current_copy']['file'], 200) if 'current_copy' in row else ''}"
+                       f"</td><td>{row['offset']:,}</td><td>{inert_html(current_copy_place(row['current_copy']), 200) if 'current_copy' in row else ''}"
                        f"</td><td>{_yes_no(row['xxh3'] != row['memory_xxh3'])}</td>"
                        f'<td class="mono">{inert_html(row["xxh3"])}</td><td class="mono">{inert_html(row["memory_xxh3"])}</td></tr>'
                        for row in latent["named"][:OFFLOAD_NAMED])

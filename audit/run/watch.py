@@ -37,6 +37,7 @@ from audit.judge.purged import PurgedKeys
 from audit.readers.disk import DiskReader
 from audit.readers.throttle import ThrottledReader
 from audit.records import KeyInfo, KeyRecord, Verdict
+from audit.report.coverage import current_copy_place
 from audit.report.inert import printable
 from audit.report.watch_metrics import MetricsServer, WatchMetrics
 from audit.run.options import ScanOptions
@@ -444,7 +445,7 @@ class Watcher:
             for row in self.disk_copies.compare(records, by_name):
                 if "current_copy" in row:
                     self.log(f"watch: on disk beside its key's current copy: {printable(row['key'], 200)} "
-                             f"({row['file']} at {row['offset']}; current: {row['current_copy']['file']}), unlike the "
+                             f"({row['file']} at {row['offset']}; current: {printable(current_copy_place(row['current_copy']), 200)}), unlike the "
                              f"bytes in memory: served again if its holder restarts once the key has left the store")
                 else:
                     self.log(f"watch: on disk but not listed for its key: {printable(row['key'], 200)} ({row['file']} "

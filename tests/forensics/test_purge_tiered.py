@@ -15,8 +15,9 @@ import os
 import xxhash
 
 from audit.cluster import LocalCluster
-from audit.connection import open_store
+from audit.connection import AdminClient, open_store
 from audit.readers.buckets import stored_key
+from audit.readers.descriptors import query_answers
 from audit.readers.offload_index import index_directories
 from tests.conftest import settings_for
 from tests.helpers import by_key, run_cli, scan_json
@@ -290,3 +291,67 @@ def test_a_key_put_again_on_another_holder_leaves_its_first_copy_which_is_named_
         ((row),) = document["summary"]["offload"]["latent"]["named"]
         assert (row["file"], row["current_copy"]["file"], row["memory_xxh3"]) == (
             str(newest.path), str(listed.path), digest(bytes(VALUE_BYTES)))
+
+
+def test_a_key_put_again_on_a_holder_whose_directory_is_not_read_leaves_a_copy_named_not_compared(tmp_path):
+    """Two offloading holders, the audit given the first one's directory alone (the second stands
+    for another host): a key offloaded by the first, removed and put again on the second with other
+    bytes is listed in memory and on the second's disk, while the first's bucket keeps its first
+    value, the only copy here. That copy is not the key's: it is named in `latent` with the holder
+    the master lists the key on (`current_copy.endpoint`), never compared (it was REPLICA_DIVERGENT,
+    a false finding), and `purge --stale-disk-copies --yes` takes it out, the key keeping its bytes.
+    The first holder's own keys are compared as before: its directory's holder is learnt from them."""
+    with LocalCluster(holders=2, segment_mb=64, offload=True, bucket_keys=1, client_ttl_s=3, log_dir=tmp_path) as cluster:
+        first_holder, second_holder = cluster.running_holders
+        own = {f"own/{index}": os.urandom(VALUE_BYTES) for index in range(3)}
+        moved, first_value, second_value = "moved/1", bytes(VALUE_BYTES), os.urandom(VALUE_BYTES)
+        store = open_store(settings_for(cluster))
+        try:
+            for key, value in {moved: first_value, **own}.items():
+                _put(store, key, value, first_holder.segment)
+            cluster.wait_held([moved, *own], "local_disk")
+            remove(store, moved)
+            _put(store, moved, second_value, second_holder.segment)
+            cluster.wait_held([moved], "local_disk")
+        finally:
+            store.close()
+        assert cluster.tiers([moved]) == {moved: {"memory", "local_disk"}}
+        (copy,) = index_directories([first_holder.offload_dir]).copies(stored_key("default", moved))
+        (listed,) = query_answers(AdminClient(cluster.admin_url), [moved])[moved]["local_disk_values"]
+
+        dirs = ["--offload-dir", str(first_holder.offload_dir)]
+        report = tmp_path / "scan.json"
+        for read_mode in ("lease", "peek"):
+            scanned = run_cli("scan", *cli_args(cluster), "--read-mode", read_mode, "--all", *dirs,
+                              "--format", "json", "--output", str(report), "--no-progress")
+            assert scanned.exit_code == 0, scanned.output
+            document = json.loads(report.read_text())
+            offload = document["summary"]["offload"]
+            assert document["summary"]["verdicts"] == {}, read_mode
+            assert (offload["disk_copies_compared"], offload["disk_copies_divergent"],
+                    offload["disk_copies_elsewhere"]) == (len(own), 0, 1), read_mode
+            assert (offload["latent"]["copies"], offload["latent"]["unlike_memory"], offload["latent"]["superseded"]) == (1, 1, 1)
+            (row,) = offload["latent"]["named"]
+            digest = lambda value: f"{xxhash.xxh3_64_intdigest(value):016x}"  # noqa: E731
+            assert (row["key"], row["file"], row["offset"], row["xxh3"], row["memory_xxh3"], row["current_copy"]) == (
+                moved, str(copy.path), copy.value_offset, digest(first_value), digest(second_value),
+                {"endpoint": listed["transport_endpoint"]})
+            assert by_key(document)[moved]["xxh3"] == digest(second_value)
+        page = tmp_path / "scan.html"
+        assert run_cli("report", str(report), "--html", str(page)).exit_code == 0
+        assert f"on holder {listed['transport_endpoint']}, not in these directories" in page.read_text()
+
+        args = [str(report), *cli_args(cluster), "--stale-disk-copies", *dirs]
+        assert run_cli("purge", *args).stdout.splitlines() == [f"would-take-out {moved}"]
+        evidence = tmp_path / "evidence"
+        done = run_cli("purge", *args, "--yes", "--evidence", str(evidence))
+        assert done.exit_code == 0 and done.stdout.splitlines()[0] == f"taken-out    {moved}", done.output
+        (saved,) = (evidence / "disk-copies").glob("*.gz")
+        assert gzip.decompress(saved.read_bytes()) == first_value  # evidence first
+        assert stored_key("default", moved) not in index_directories([first_holder.offload_dir])
+        assert stored_key("default", moved) in index_directories([second_holder.offload_dir])
+        store = open_store(settings_for(cluster))
+        try:
+            assert store.get(moved) == second_value
+        finally:
+            store.close()
