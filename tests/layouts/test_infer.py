@@ -42,12 +42,18 @@ def test_a_size_that_fits_several_readings_is_ambiguous_with_its_candidates():
     assert inference.layouts[0] is inference.readings[("m", 0)][0].layout  # the most likely reading leads
 
 
-def test_attention_in_float32_and_bfloat16_are_two_readings_of_one_size():
+def test_attention_in_float32_16_bit_and_fp8_are_readings_of_one_size():
+    """A page of b tokens in float32 has the bytes of 2b in a 16-bit dtype and of 4b in fp8
+    (`--kv-cache-dtype fp8`, not given: a size alone never rules it out)."""
     inference = infer_layouts(LayoutRequest(LLAMA_TINY, "l"), observed_sizes(_keys("l", {0: [16_384]})))
     readings = inference.readings[("l", 0)]
     assert sorted((r.assumed["kv_dtype"], r.assumed["block_size"]) for r in readings) == [
-        ("bfloat16", 32), ("float16", 32), ("float32", 16)]
+        ("bfloat16", 32), ("float16", 32), ("float32", 16), ("float8_e4m3fn", 64)]
     given = LayoutRequest(LLAMA_TINY, "l", model_dtype="float32")
+    inference = infer_layouts(given, observed_sizes(_keys("l", {0: [16_384]})))
+    assert sorted((r.assumed["kv_dtype"], r.assumed["block_size"]) for r in inference.readings[("l", 0)]) == [
+        ("float32", 16), ("float8_e4m3fn", 64)]
+    given = LayoutRequest(LLAMA_TINY, "l", model_dtype="float32", kv_cache_dtype="float32")
     inference = infer_layouts(given, observed_sizes(_keys("l", {0: [16_384]})))
     assert inference.readings == {} and inference.rows[0]["assumed"]["block_size"] == 16
 

@@ -158,10 +158,10 @@ def test_an_mla_scan_fits_the_block_to_the_listed_sizes():
                               observed_sizes(keys))
     (row,) = inference.rows
     assert (row["status"], inference.layouts[0].size, row["assumed"]["block_size"]) == ("ambiguous", 61 * 73_728, 64)
-    # as for any attention page: 16-bit at block 64 or float32 at block 32, the bytes decide
+    # as for any attention page: 16-bit at block 64, float32 at block 32 or fp8 at 128, the bytes decide
     readings = inference.readings[("DeepSeek-V3", 0)]
     assert sorted((r.assumed["kv_dtype"], r.assumed["block_size"]) for r in readings) == [
-        ("bfloat16", 64), ("float16", 64), ("float32", 32)]
+        ("bfloat16", 64), ("float16", 64), ("float32", 32), ("float8_e4m3fn", 128)]
 
 
 def test_layout_command_prints_deepseek_v3_and_names_a_refusal(tmp_path):
