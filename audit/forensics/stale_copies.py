@@ -52,8 +52,9 @@ def take_out_stale_copies(settings: Settings, rows: Iterable[dict], offload_dirs
                           on_outcome: Callable[[PurgeOutcome], None]) -> list[PurgeOutcome]:
     """Each named copy: `would-take-out` (a dry run), `taken-out` (with its `disk_copies` row),
     `listed` (the master lists a disk copy of the key now, on this copy's holder or one it cannot
-    tell from it, and the key's current copy does not lie beside this one), `gone` (no directory here holds the copy where the report found it), or
-    `changed` (it holds other bytes than the report named)."""
+    tell from it, and the key's current copy does not lie beside this one), `gone` (no directory
+    here holds the copy where the report found it), or `changed` (it holds other bytes than the
+    report named)."""
     if not offload_dirs:
         raise AuditError("--stale-disk-copies needs --offload-dir (the holder's MOONCAKE_OFFLOAD_FILE_STORAGE_PATH)")
     admin = AdminClient(settings.admin)
@@ -123,6 +124,7 @@ def _action(row: dict, tenant: str, listed_at: Callable[[str], set[str] | None],
     if current is not None and (current.get("file"), current.get("offset")) in copies:
         return "take-out"  # the key's current copy stays: the one listed, or the newest
     holders = listed_at(row["key"])
-    if holders is None:
-        return "listed"
-    return "take-out" if not holders or holder_of(copy) not in {*holders, None} else "listed"
+    if holders == set():
+        return "take-out"  # no disk copy of the key listed
+    on_another_holder = holders is not None and holder_of(copy) not in {*holders, None}
+    return "take-out" if on_another_holder else "listed"
