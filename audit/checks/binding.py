@@ -21,7 +21,7 @@ ROW_TOLERANCE = 0.05
 # kv_cache_dtype "fp8", docs/binding.md), while other weights stay 0.22 or more away. e5m2 (2 bits)
 # would need twice that, too near other weights: not bound.
 FP8_ROW_TOLERANCE = 0.125
-_ROUNDED = {"float8_e4m3fn": FP8_ROW_TOLERANCE}
+ROUNDED_DTYPES = frozenset({"float8_e4m3fn"})  # caches that round what they hold: FP8_ROW_TOLERANCE
 CANDIDATES = 8  # tokens a row far from its probe-nearest token is compared with on every column
 SHARED_CODE = 8  # a code shared by more tokens than this sends the row to the search
 FLIPPED_BITS = 2  # a row's codes tried with its probe columns nearest their centers flipped, one at a time
@@ -31,7 +31,7 @@ _TINY = np.finfo(np.float32).tiny  # an image's squared norm is never divided by
 def row_tolerance(dtype: str) -> float:
     """How far a healthy row held in `dtype` may lie from its image: ROW_TOLERANCE, wider where the
     cache rounds what it holds (fp8)."""
-    return _ROUNDED.get(dtype, ROW_TOLERANCE)
+    return FP8_ROW_TOLERANCE if dtype in ROUNDED_DTYPES else ROW_TOLERANCE
 
 
 def nearest_tokens(rows: np.ndarray, images, tolerance: float = ROW_TOLERANCE) -> tuple[np.ndarray, np.ndarray]:

@@ -30,7 +30,7 @@ from audit.forensics.purge import PurgeOutcome
 from audit.judge.crossref import read_report
 from audit.readers.buckets import StoredValue, stored_key
 from audit.readers.descriptors import query_answers
-from audit.readers.disk import directory_owners
+from audit.readers.disk import holder_of
 from audit.readers.offload_index import OffloadIndex, copies_holding, index_directories
 from audit.sources.tenants import tenant_key_tiers
 
@@ -85,7 +85,7 @@ def take_out_stale_copies(settings: Settings, rows: Iterable[dict], offload_dirs
 
 
 class _Holders:
-    """Each offload directory's holder (`directory_owners`), learnt once a copy's is asked."""
+    """Each offload directory's holder (`holder_of`), the directories indexed once a copy's is asked."""
 
     def __init__(self, admin: AdminClient, offload_dirs: tuple[Path, ...]):
         self.admin, self.offload_dirs = admin, offload_dirs
@@ -94,8 +94,7 @@ class _Holders:
     def of(self, copy: StoredValue) -> str | None:
         if self.index is None:
             self.index = index_directories(self.offload_dirs)
-            self.index.owners = directory_owners(self.admin, self.index)
-        return self.index.owner_of(copy)
+        return holder_of(self.admin, self.index, copy)
 
 
 def _listed_at(admin: AdminClient, key: str) -> set[str]:

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from audit.checks.binding import (
+    ROUNDED_DTYPES,
     ROW_TOLERANCE,
     key_positions,
     nearest_tokens,
@@ -125,7 +126,6 @@ class Bindings:
 # mantissa bits at a scale of 1 (vLLM's unless the checkpoint brings its own KV scales), judged at
 # its wider `row_tolerance` (proved on V and K pages; an fp8 MLA latent is not bound); e5m2 is not bound.
 _BOUND_KV = frozenset({"float32", "float16", "bfloat16", "float8_e4m3fn"})
-_ROUNDED_KV = frozenset({"float8_e4m3fn"})
 
 
 def layer0_region(layout, kind: str | None = None):
@@ -142,7 +142,7 @@ def layer0_region(layout, kind: str | None = None):
             found = "conv"
         elif region.kind == "kv" and len(region.shape) == 3 and region.dtype in _BOUND_KV:
             found = "latent" if kind == "latent" and region.shape[0] == 1 else "v" if region.shape[2] % 2 == 0 else None
-            if found == "latent" and region.dtype in _ROUNDED_KV:
+            if found == "latent" and region.dtype in ROUNDED_DTYPES:
                 found = None
         else:
             continue

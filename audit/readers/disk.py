@@ -94,6 +94,14 @@ def directory_owners(admin: AdminClient, index: OffloadIndex) -> dict[Path, str]
             for endpoint, count in counts.most_common(1) if 2 * count > taken[directory]}
 
 
+def holder_of(admin: AdminClient, index: OffloadIndex, copy: StoredValue) -> str | None:
+    """The holder of the directory `copy` lies in (`directory_owners`, learnt once an index is
+    asked); None where not known."""
+    if index.owners is None:
+        index.owners = directory_owners(admin, index)
+    return index.owner_of(copy)
+
+
 def listed_copy(admin: AdminClient, index: OffloadIndex, key: bytes, endpoints: set[str]) -> StoredValue | None:
     """The copy of `key` the master lists at one of `endpoints` (its disk replicas' holders): the
     one in the directory of one of those holders (`directory_owners`, learnt once an index meets a
@@ -105,9 +113,7 @@ def listed_copy(admin: AdminClient, index: OffloadIndex, key: bytes, endpoints: 
     copies = index.copies(key)
     if not copies or not endpoints:
         return copies[0] if copies else None
-    if index.owners is None:
-        index.owners = directory_owners(admin, index)
-    owners = [index.owner_of(copy) for copy in copies]
+    owners = [holder_of(admin, index, copy) for copy in copies]
     owned = [copy for copy, owner in zip(copies, owners) if owner in endpoints]
     unknown = [copy for copy, owner in zip(copies, owners) if owner is None]
     return (owned or unknown or [None])[0]
