@@ -207,8 +207,7 @@ def keys_fit(probed: np.ndarray, tokens: np.ndarray, positions: np.ndarray, keys
 
 def _key_misses(probed: np.ndarray, tokens: np.ndarray, positions: np.ndarray, keys, rotary) -> tuple:
     """Each row's squared distance from its token's K turned to its position, and that K's squared norm."""
-    missed = probed.view(np.complex64) - keys.turned[tokens] * _turns(rotary.angles(positions, keys.pairs),
-                                                                      rotary.magnitude)
+    missed = probed.view(np.complex64) - keys.turned[tokens] * rotary.turns(positions, keys.pairs)
     squares = keys.table_squares[tokens] if rotary.magnitude == 1.0 else \
         keys.table_squares[tokens] * np.float32(rotary.magnitude ** 2)
     return np.square(missed.view(np.float32)).sum(axis=1), np.maximum(squares, _TINY)
@@ -223,15 +222,3 @@ def pages_keys_fit(probed: list[np.ndarray], tokens: list[np.ndarray], positions
     near = keys_fit(np.concatenate(probed).astype(np.float32, copy=False), np.concatenate(tokens).astype(np.int64),
                     np.concatenate(positions), keys, np.repeat(np.asarray(tolerances, np.float32), counts))
     return np.logical_and.reduceat(near, np.cumsum(counts) - counts).tolist()
-
-
-def _turns(angles: np.ndarray, magnitude: float = 1.0) -> np.ndarray:
-    """(cos + i sin) times `magnitude` of float32 angles as complex64, written in place (a complex exp
-    costs five times as much)."""
-    turns = np.empty(angles.shape, np.complex64)
-    parts = turns.view(np.float32).reshape(*angles.shape, 2)
-    np.cos(angles, out=parts[..., 0])
-    np.sin(angles, out=parts[..., 1])
-    if magnitude != 1.0:
-        parts *= np.float32(magnitude)
-    return turns

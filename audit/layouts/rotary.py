@@ -10,13 +10,14 @@ positions per section), so that a K is never judged by the wrong rotation."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .model import LayoutError
 
 PROBED_PAIRS = 16  # the pairs of a head a K row is compared on: every frequency band, the fastest first
+TURNS_KEPT = 1 << 16  # positions whose turns a rotation keeps in a table (16 pairs: 8 MiB at most)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Rotary:
     max_position: int = 1 << 20  # positions a key may hold (max_position_embeddings, scaled)
     magnitude: float = 1.0
     variant: str = ""
+    _turn_tables: dict = field(default_factory=dict, compare=False, repr=False)  # pairs' bytes -> (positions, pairs)
 
     def columns(self, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """A head's two columns of each pair in `pairs`."""
@@ -55,6 +57,32 @@ class Rotary:
         """(rows, pairs): each position's angle in each pair, as vLLM's cache holds it (float32
         position times float32 frequency, then cos and sin)."""
         return np.asarray(positions, np.float32)[:, None] * self.inv_freq[pairs][None, :]
+
+    def turns(self, positions: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+        """(rows, pairs) complex64: each position's turn in each pair, (cos + i sin) of its `angles`
+        times `magnitude`, as vLLM turns K. Positions under TURNS_KEPT are read from a table kept per
+        pairs and grown as larger ones come (a guard turns a few thousand positions load after load:
+        a gather, not a cos and a sin a row); the same float32 operations make both, so the same bits."""
+        positions = np.asarray(positions, np.int64)
+        if not positions.size or positions.min() < 0 or (top := int(positions.max())) >= TURNS_KEPT:
+            return _turns(self.angles(positions, pairs), self.magnitude)
+        table = self._turn_tables.get(key := np.asarray(pairs, np.int64).tobytes())
+        if table is None or top >= len(table):
+            size = min(max(1024, 1 << top.bit_length()), TURNS_KEPT)
+            table = self._turn_tables[key] = _turns(self.angles(np.arange(size), pairs), self.magnitude)
+        return table[positions]
+
+
+def _turns(angles: np.ndarray, magnitude: float) -> np.ndarray:
+    """(cos + i sin) times `magnitude` of float32 angles as complex64, written in place (a complex exp
+    costs five times as much)."""
+    turns = np.empty(angles.shape, np.complex64)
+    parts = turns.view(np.float32).reshape(*angles.shape, 2)
+    np.cos(angles, out=parts[..., 0])
+    np.sin(angles, out=parts[..., 1])
+    if magnitude != 1.0:
+        parts *= np.float32(magnitude)
+    return turns
 
 
 def rope_parameters(config: dict, layer_kind: str | None = None) -> dict:

