@@ -9,7 +9,8 @@ import typer
 
 from audit.commands.common import scan_and_exit
 from audit.commands.options import (SCANNING, CheckpointOpt, EvidenceDir, FailOn, MaxBandwidth, OffloadDir, PurgedLog,
-                                    ReadMode, Resume, Sample, Seed, Verbose, progress_option, report_options, takes)
+                                    ReadMode, Resume, Sample, Seed, Verbose, offload_directories, progress_option,
+                                    report_options, takes)
 
 StateDirOpt = Annotated[Optional[Path], typer.Option("--state-dir", envvar="MOONCAKE_AUDIT_STATE_DIR",
                                                      help="Lock against overlapping runs; remembers keys seen, "
@@ -36,5 +37,5 @@ def check(*, sample: Sample = None, seed: Seed = 0, state_dir: StateDirOpt = Non
     scan_and_exit(options, verbose, sample=sample, seed=seed, state_dir=state_dir, deadline_s=deadline,
                   max_bandwidth=max_bandwidth, checkpoint=checkpoint, resume=resume, prom_file=prom_file,
                   pushgateway=pushgateway, evidence_dir=evidence, read_mode=read_mode,
-                  offload_dirs=tuple(offload_dir or ()), purge_logs=tuple(purged or ()),
+                  offload_dirs=offload_directories(offload_dir), purge_logs=tuple(purged or ()),
                   fail_on=fail_on)

@@ -9,6 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from audit.readers.offload_index import offload_directory
+
 # Connection
 Master = Annotated[Optional[str], typer.Option("--master", envvar="MOONCAKE_AUDIT_MASTER",
                                               help="Master RPC address HOST:PORT.", show_default="127.0.0.1:50051")]
@@ -101,12 +103,14 @@ Verbose = Annotated[bool, typer.Option("--verbose", help="At the end, the second
 # Scanning: resumption, evidence, failure
 ReadMode = Annotated[str, typer.Option("--read-mode", envvar="MOONCAKE_AUDIT_READ_MODE",
                                       help="lease (batch_get_into) or peek (lease-free raw reads of every replica).")]
+HOLDER_HELP = ("DIR=ENDPOINT names the directory's holder (the offload RPC endpoint the master lists its disk "
+               "copies at), which is otherwise learnt from the master.")
 OffloadDir = Annotated[Optional[list[Path]], typer.Option(
-    "--offload-dir", envvar="MOONCAKE_AUDIT_OFFLOAD_DIR", metavar="DIR",
+    "--offload-dir", envvar="MOONCAKE_AUDIT_OFFLOAD_DIR", metavar="DIR[=ENDPOINT]",
     help="A holder's SSD offload directory on this host (its MOONCAKE_OFFLOAD_FILE_STORAGE_PATH): the disk copy "
          "of each key also in memory is read from its offload files (bucket or file-per-key backend) and compared (REPLICA_DIVERGENT), values there "
          "that no master lists are named, and with --read-mode peek the disk-only keys are read from the files, "
-         "with no lease and no promotion. Repeatable.")]
+         "with no lease and no promotion. " + HOLDER_HELP + " Repeatable.")]
 PurgedLog = Annotated[Optional[list[Path]], typer.Option(
     "--purged", envvar="MOONCAKE_AUDIT_PURGED", metavar="LOG",
     help="A purge's log (purge-log.jsonl): a key it removed that is listed again with the same bytes is "
@@ -207,3 +211,8 @@ def takes(*groups, after=()):
 def pick(options: dict, *groups) -> dict:
     """The values of `groups`, taken out of a command's `options`."""
     return {p.name: options.pop(p.name) for p in _declared(*groups) if p.name in options}
+
+
+def offload_directories(given) -> tuple:
+    """`--offload-dir`'s values: each a path, or a path with its holder (`offload_directory`)."""
+    return tuple(map(offload_directory, given or ()))

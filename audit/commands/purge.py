@@ -10,7 +10,7 @@ import typer
 
 from audit.commands.common import fail, resolve_settings, scan_report
 from audit.commands.options import (OffloadDir, block_table_options, connection_options, key_options, model_options,
-                                    pick, takes)
+                                    offload_directories, pick, takes)
 from audit.errors import AuditError
 from audit.report.inert import printable
 
@@ -61,12 +61,12 @@ def purge(
             log = log or evidence / "purge-log.jsonl"
             if stale_disk_copies:
                 outcomes = take_out_stale_copies(resolve_settings(**connection), stale_copies_of_report(report_path),
-                                                 tuple(offload_dir or ()), execute=yes,
+                                                 offload_directories(offload_dir), execute=yes,
                                                  evidence_dir=evidence if yes else None, on_outcome=_print_outcome)
             else:
                 outcomes = run_purge(resolve_settings(**connection), targets_from_report(report_path, verdict or ()),
                                      execute=yes, force=force, evidence_dir=evidence if yes else None,
-                                     offload_dirs=tuple(offload_dir or ()), on_outcome=_print_outcome)
+                                     offload_dirs=offload_directories(offload_dir), on_outcome=_print_outcome)
             if yes:
                 write_log(log, outcomes)
     except AuditError as error:

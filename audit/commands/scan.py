@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from audit.commands.common import scan_and_exit
 from audit.commands.options import (SCANNING, CheckpointOpt, EvidenceDir, FailOn, OffloadDir, PurgedLog, ReadMode,
-                                    Resume, Verbose, progress_option, report_options, takes)
+                                    Resume, Verbose, offload_directories, progress_option, report_options,
+                                    takes)
 
 
 @takes(*SCANNING, after=(report_options, progress_option))
@@ -17,5 +18,5 @@ def scan(*, checkpoint: CheckpointOpt = None, resume: Resume = False, evidence: 
     Exit codes: 0 clean (warnings allowed unless --fail-on warning), 1 errors, 2 could not run, 3 incomplete.
     """
     scan_and_exit(options, verbose, checkpoint=checkpoint, resume=resume, evidence_dir=evidence, read_mode=read_mode,
-                  offload_dirs=tuple(offload_dir or ()), purge_logs=tuple(purged or ()),
+                  offload_dirs=offload_directories(offload_dir), purge_logs=tuple(purged or ()),
                   fail_on=fail_on)

@@ -9,16 +9,17 @@ import typer
 
 from audit.commands.common import check_choice, check_plan, fail, resolve_settings
 from audit.commands.options import (MaxBandwidth, PurgedLog, ReadMode, block_table_options, connection_options,
-                                    key_options, model_options, pick, read_options, takes)
+                                    HOLDER_HELP, key_options, model_options, offload_directories, pick, read_options,
+                                    takes)
 from audit.errors import AuditError
 from audit.report.inert import printable
 
 WatchOffloadDir = Annotated[Optional[list[Path]], typer.Option(
-    "--offload-dir", envvar="MOONCAKE_AUDIT_OFFLOAD_DIR", metavar="DIR",
+    "--offload-dir", envvar="MOONCAKE_AUDIT_OFFLOAD_DIR", metavar="DIR[=ENDPOINT]",
     help="A holder's SSD offload directory on this host (its MOONCAKE_OFFLOAD_FILE_STORAGE_PATH): with --read-mode "
          "peek, disk-only keys are read from its files (bucket or file-per-key backend), with no lease and no "
          "promotion; a key in memory and on disk has its disk copy compared with memory when it is read or its "
-         "copies change (REPLICA_DIVERGENT). Repeatable.")]
+         "copies change (REPLICA_DIVERGENT). " + HOLDER_HELP + " Repeatable.")]
 
 
 @takes(connection_options, key_options, read_options, model_options, block_table_options)
@@ -58,7 +59,7 @@ def watch(*, state_dir: Annotated[Optional[Path], typer.Option(
         read = pick(options, read_options)
         placement = resolve_placement(read.pop("device"), read.pop("checker"), read_mode)
         scan_options = ScanOptions(plan=plan, placement=placement, read_mode=read_mode, max_bandwidth=max_bandwidth,
-                                   offload_dirs=tuple(offload_dir or ()), purge_logs=tuple(purged or ()),
+                                   offload_dirs=offload_directories(offload_dir), purge_logs=tuple(purged or ()),
                                    **pick(options, key_options), **read)
         watch_options = WatchOptions(state_dir=state_dir, interval_s=interval, period_s=parse_duration(period),
                                      window=None if window is None else parse_window(window), listen=listen,

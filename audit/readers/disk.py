@@ -32,7 +32,7 @@ from audit.readers.buffers import ALIGNMENT, MAX_KEYS_PER_BATCH, FetchedBatch, H
 from audit.readers.confirm import Confirmation, KeyRead, confirmation_of
 from audit.readers.descriptors import Replica, query_answers, replicas_of
 from audit.readers.mapped import PAGE, MappedWindow, window_bytes
-from audit.readers.offload_index import OffloadIndex, index_directories
+from audit.readers.offload_index import DirectoryHolder, OffloadIndex, index_directories
 from audit.readers.replicas import judge_disk_copy
 from audit.records import KeyInfo, KeyRecord, Verdict
 
@@ -69,29 +69,36 @@ def _disk_endpoints(key: KeyInfo) -> set[str]:
 OWNER_SAMPLE = 8  # keys asked of the master per directory to learn which holder's it is
 
 
-def directory_owners(admin: AdminClient, index: OffloadIndex) -> dict[Path, str]:
-    """Each offload directory's holder as the master names it (the offload RPC endpoint it lists
-    disk replicas at): asked lease-free (`/batch_query_keys`) of up to OWNER_SAMPLE default-tenant
-    keys a directory alone holds, newest first; the endpoint most of them name, where more than half
-    do. A key put again on another holder leaves a copy here that the master lists there, and the
-    older a copy, the likelier that is: so the newest are asked."""
+def directory_owners(admin: AdminClient, index: OffloadIndex) -> dict[Path, DirectoryHolder]:
+    """Each offload directory's holder: the one given with it (`HeldDirectory`), else as the master
+    names it (the offload RPC endpoint it lists disk replicas at), asked lease-free
+    (`/batch_query_keys`) of up to OWNER_SAMPLE default-tenant keys a directory alone holds, newest
+    first; the endpoint most of them name, where more than half do. A key put again on another
+    holder leaves a copy here that the master lists there, and the older a copy, the likelier that
+    is: so the newest are asked. A split vote is in the holder's row (`DirectoryHolder`)."""
+    asked = [directory for directory in index.directories if directory not in index.given]
+    if not asked:
+        return index.given_owners()
     sample: dict[str, Path] = {}
     taken: dict[Path, int] = {}
     prefix = stored_key(DEFAULT_TENANT, "")
     for stored, value in reversed(index.items()):  # the index holds its values oldest bucket first
         directory = index.directory_of(value)
-        if not stored.startswith(prefix) or stored in index.superseded or taken.get(directory, 0) >= OWNER_SAMPLE:
+        if not stored.startswith(prefix) or stored in index.superseded or directory in index.given \
+                or taken.get(directory, 0) >= OWNER_SAMPLE:
             continue
         sample[tenant_and_key(stored)[1]] = directory
         taken[directory] = taken.get(directory, 0) + 1
-        if len(taken) == len(index.directories) and min(taken.values()) >= OWNER_SAMPLE:
+        if len(taken) == len(asked) and min(taken.values()) >= OWNER_SAMPLE:
             break
     votes: dict[Path, Counter] = {}
     for name, answer in query_answers(admin, sample).items():
         for replica in (answer or {}).get("local_disk_values") or []:
             votes.setdefault(sample[name], Counter())[str(replica.get("transport_endpoint"))] += 1
-    return {directory: endpoint for directory, counts in votes.items()
-            for endpoint, count in counts.most_common(1) if 2 * count > taken[directory]}
+    learnt = {directory: DirectoryHolder(endpoint, "learnt", count, taken[directory])
+              for directory, counts in votes.items()
+              for endpoint, count in counts.most_common(1) if 2 * count > taken[directory]}
+    return {**learnt, **index.given_owners()}
 
 
 def holder_of(admin: AdminClient, index: OffloadIndex, copy: StoredValue) -> str | None:
@@ -306,6 +313,11 @@ class DiskCopies:
         self.compared = self.divergent = self.elsewhere = 0
         self.latent: list[dict] = []  # `unlisted_copy`'s rows
 
+    def _index_afresh(self) -> None:
+        """The directories indexed again, their holders as learnt kept (a directory is its holder's)."""
+        owners, self.index = self.index.owners, index_directories(self.directories)
+        self.index.owners = owners
+
     def compare(self, record: KeyRecord, key: KeyInfo) -> None:
         """Read `key`'s disk copy and judge it against `record` (the key as read from memory)."""
         if record.xxh3 is None:
@@ -324,7 +336,7 @@ class DiskCopies:
         `still_listed` says the key is held as it was read."""
         row = self._read(value)
         if row["status"] == "ok" and row["xxh3"] != f"{record.xxh3:016x}":
-            self.index = index_directories(self.directories)
+            self._index_afresh()
             value = located()
             row = self._read(value) if value is not None else None
             if row is None or not still_listed(row):
@@ -445,7 +457,7 @@ class DiskCopies:
         exists: another tenant's value is named (with its tenant) where the run's own look-ups found
         that tenant does not hold its key (`tenant_holds` False), passed over where they found it
         does (True), and counted where the run did not look (None)."""
-        self.index = index_directories(self.directories)
+        self._index_afresh()
         candidates: dict[str, list[StoredValue]] = {}
         gone: list[tuple[str | None, str, StoredValue]] = []
         other_tenants = 0
@@ -471,7 +483,11 @@ class DiskCopies:
                   "unlike_memory": sum(row["xxh3"] != row["memory_xxh3"] for row in self.latent),
                   "superseded": sum("current_copy" in row for row in self.latent),
                   "named": sorted(self.latent, key=lambda row: (row["xxh3"] == row["memory_xxh3"], row["key"]))[:UNLISTED_NAMED]}
-        return {"directories": [str(directory) for directory in self.directories],
+        owners = self.index.owners if self.index.owners is not None else self.index.given_owners()
+        holders = {str(directory): {"endpoint": holder.endpoint, "known": holder.known,
+                                    **({"naming": holder.naming, "asked": holder.asked} if holder.known == "learnt" else {})}
+                   for directory, holder in owners.items()}
+        return {"directories": [str(directory) for directory in self.directories], "holders": holders,
                 "disk_copies_compared": self.compared, "disk_copies_divergent": self.divergent,
                 "disk_copies_elsewhere": self.elsewhere, "latent": latent,
                 **({"unlisted": unlisted} if unlisted is not None else {})}

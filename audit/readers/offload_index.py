@@ -5,14 +5,61 @@ KVEntry files (`audit.readers.key_files`), by stored key (`tenant \\0 key`)."""
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 from audit.errors import AuditError
 from audit.readers.buckets import StoredValue, bucket_values
 from audit.readers.key_files import key_files
+
+
+@dataclass(frozen=True)
+class HeldDirectory(os.PathLike):
+    """An offload directory given with its holder (`--offload-dir DIR=ENDPOINT`: the holder's offload
+    RPC endpoint, as the master lists its disk replicas): its copies are that holder's, never learnt
+    from the master (`audit.readers.disk.directory_owners`, which a directory most of whose newest keys
+    were put again on another holder misleads). It reads as its path wherever a path is wanted."""
+
+    path: Path
+    holder: str
+
+    def __fspath__(self) -> str:
+        return os.fspath(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+_ENDPOINT = re.compile(r"[^=/\s]+:\d+")
+
+
+def offload_directory(given: str | os.PathLike) -> Path | HeldDirectory:
+    """`--offload-dir`'s value: DIR, or DIR=ENDPOINT (a `HeldDirectory`). A value that is a directory
+    as written is that directory, whatever it holds."""
+    text = os.fspath(given)
+    path, _, endpoint = text.rpartition("=")
+    if path and _ENDPOINT.fullmatch(endpoint) and not Path(text).is_dir():
+        return HeldDirectory(Path(path), endpoint)
+    return Path(text)
+
+
+class DirectoryHolder(NamedTuple):
+    """A directory's holder (its offload RPC endpoint) and how it is known: ``given`` with the
+    directory, or ``learnt`` from the master, where `naming` of the `asked` keys named it."""
+
+    endpoint: str
+    known: str
+    naming: int = 0
+    asked: int = 0
+
+
+def given_holders(directories: Iterable[Path | HeldDirectory]) -> dict[Path, str]:
+    """The holder given with each directory that has one (`HeldDirectory`)."""
+    return {directory.path: directory.holder for directory in directories if isinstance(directory, HeldDirectory)}
 
 
 def _offload_directories(directories: Iterable[Path]) -> list[Path]:
@@ -98,11 +145,12 @@ class OffloadIndex(dict[bytes, StoredValue]):
     nothing while the key is held elsewhere; one after the key left the store brings it back)."""
 
     def __init__(self, newest: dict[bytes, StoredValue], superseded: dict[bytes, list[StoredValue]],
-                 directories: list[Path]):
+                 directories: list[Path], given: dict[Path, str] | None = None):
         super().__init__(newest)
         self.superseded = superseded
         self.directories = directories
-        self.owners: dict[Path, str] | None = None  # each directory's holder, once learnt (`audit.readers.disk`)
+        self.given = given or {}  # the holders given with directories (`HeldDirectory`): never learnt
+        self.owners: dict[Path, DirectoryHolder] | None = None  # each directory's, once learnt (`audit.readers.disk`)
         self._directory_of_file: dict[Path, Path] = {}
 
     def copies(self, key: bytes) -> list[StoredValue]:
@@ -119,9 +167,14 @@ class OffloadIndex(dict[bytes, StoredValue]):
             self._directory_of_file[value.path] = directory
         return directory
 
+    def given_owners(self) -> dict[Path, DirectoryHolder]:
+        """The holders given with the directories (`HeldDirectory`), as `owners` holds them."""
+        return {directory: DirectoryHolder(endpoint, "given") for directory, endpoint in self.given.items()}
+
     def owner_of(self, value: StoredValue) -> str | None:
         """The holder of the directory a copy lies in, as learnt (`owners`); None where not known."""
-        return (self.owners or {}).get(self.directory_of(value))
+        holder = (self.owners or {}).get(self.directory_of(value))
+        return None if holder is None else holder.endpoint
 
 
 _merged: dict[tuple[Path, ...], tuple[list, OffloadIndex]] = {}
@@ -133,12 +186,13 @@ def index_directories(directories: Iterable[Path]) -> OffloadIndex:
     """Every complete bucket's values and every key file in `directories`, by stored key
     (`stored_key`). A key that several buckets hold (removed or evicted, then put again) maps to
     the newest bucket's; the others are its `superseded` copies."""
-    found = _offload_directories(directories)
+    directories = list(directories)
+    found, given = _offload_directories(directories), given_holders(directories)
     listings = [_bucket_index(directory) for directory in found]
     key_files_found = [value for directory in found for value in key_files(directory)]
     last = _merged.get(tuple(found))
     if last is not None and not key_files_found and all(now is before for now, before in zip(listings, last[0])):
-        return OffloadIndex(last[1], last[1].superseded, found)
+        return OffloadIndex(last[1], last[1].superseded, found, given)
     rank = {directory: place for place, directory in enumerate(sorted(set(found)))}  # as their paths sort
     buckets = [(mtime, rank[directory], name, values)
                for directory, listing in zip(found, listings) for mtime, name, values in listing]
@@ -151,7 +205,7 @@ def index_directories(directories: Iterable[Path]) -> OffloadIndex:
             _newest(index, superseded, value)
     merged = OffloadIndex(index, superseded, found)
     _merged[tuple(found)] = listings, merged
-    return OffloadIndex(merged, superseded, found)
+    return OffloadIndex(merged, superseded, found, given)
 
 
 def _newest(index: dict[bytes, StoredValue], superseded: dict[bytes, list[StoredValue]], value: StoredValue) -> None:

@@ -82,6 +82,12 @@ def _offload_lines(offload: dict) -> list[str]:
              f"{offload['disk_copies_divergent']} divergent"
              + (f", {offload['disk_copies_elsewhere']} on other hosts' disks, not compared"
                 if offload["disk_copies_elsewhere"] else "")]
+    split = {directory: holder for directory, holder in (offload.get("holders") or {}).items()
+             if holder["known"] == "learnt" and holder["naming"] < holder["asked"]}
+    for directory, holder in split.items():  # (the other keys asked are listed elsewhere: put again there?)
+        lines.append(f"holder of {printable(directory, 120)} learnt from the master: {printable(holder['endpoint'], 80)}, "
+                     f"named by {holder['naming']} of the {holder['asked']} newest keys asked; if another holder owns "
+                     f"it, give it as --offload-dir DIR=ENDPOINT")
     unlisted = offload.get("unlisted")
     if unlisted and unlisted["values"]:
         shown = ", ".join(printable(value["key"], 80) + (f" (tenant {printable(value['tenant'], 40)})"

@@ -26,6 +26,7 @@ from audit.judge.merge import merge_records
 from audit.judge.plan import CheckPlan
 from audit.judge.purged import PurgedKeys
 from audit.readers.disk import DiskCopies, in_both_tiers, listed_on_disk
+from audit.readers.offload_index import given_holders
 from audit.run.progress import ScanProgress
 from audit.records import KeyInfo, KeyRecord, Report, Verdict
 from audit.run.checkpoint import Checkpoint
@@ -219,6 +220,9 @@ def _connect_ray(settings: Settings, options: ScanOptions, closers: list):
         raise AuditError("--ray needs Ray, which is not installed: pip install 'mooncake-audit[ray]'") from None
     if options.evidence_dir is not None:
         raise AuditError("--evidence writes bytes on the machine that read them: run it without --ray")
+    if given_holders(options.offload_dirs):
+        raise AuditError("--offload-dir DIR=ENDPOINT names one holder's directory, and each host's Ray task reads DIR "
+                         "of its own holder: give DIR alone with --ray")
     ray_scan = RayScan.connect(options.ray, settings)
     closers.append(ray_scan.close)
     return ray_scan

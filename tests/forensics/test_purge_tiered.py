@@ -355,3 +355,64 @@ def test_a_key_put_again_on_a_holder_whose_directory_is_not_read_leaves_a_copy_n
             assert store.get(moved) == second_value
         finally:
             store.close()
+
+
+def test_a_directory_given_with_its_holder_is_read_as_that_holders_where_the_master_would_mislead(tmp_path):
+    """Two offloading holders, the audit given the first one's directory: its 2 own keys, then 3 keys
+    that are removed and put again on the second holder with other bytes, so that the newest copies
+    in the directory are leftovers the master lists on the second holder. Learnt from the master
+    (newest first, the endpoint most name), the directory's holder is the second one: the summary's
+    `holders` says so ("learnt"), and the operator names the right one, `--offload-dir DIR=ENDPOINT`.
+    Then, in both read modes: no finding, the 2 own keys compared, the 3 leftovers named in `latent`
+    with the second holder's endpoint, never compared with memory."""
+    with LocalCluster(holders=2, segment_mb=64, offload=True, bucket_keys=1, client_ttl_s=3, log_dir=tmp_path) as cluster:
+        first_holder, second_holder = cluster.running_holders
+        own = {f"own/{index}": os.urandom(VALUE_BYTES) for index in range(2)}
+        moved = {f"moved/{index}": os.urandom(VALUE_BYTES) for index in range(3)}
+        store = open_store(settings_for(cluster))
+        try:
+            for key, value in own.items():
+                _put(store, key, value, first_holder.segment)
+            cluster.wait_held(list(own), "local_disk")
+            for key, value in moved.items():  # the directory's newest copies
+                _put(store, key, value, first_holder.segment)
+            cluster.wait_held(list(moved), "local_disk")
+            for key in moved:
+                remove(store, key)
+                _put(store, key, os.urandom(VALUE_BYTES), second_holder.segment)
+            cluster.wait_held(list(moved), "local_disk")
+        finally:
+            store.close()
+        answers = query_answers(AdminClient(cluster.admin_url), [*own, *moved])
+        first_endpoint, second_endpoint = (
+            {replica["transport_endpoint"] for key in keys for replica in answers[key]["local_disk_values"]}
+            for keys in (own, moved))
+        (first_endpoint,), (second_endpoint,) = first_endpoint, second_endpoint
+        assert first_endpoint != second_endpoint
+
+        directory, report = str(first_holder.offload_dir), tmp_path / "scan.json"
+        run_cli("scan", *cli_args(cluster), "--offload-dir", directory, "--format", "json", "--output", str(report),
+                "--no-progress")
+        assert json.loads(report.read_text())["summary"]["offload"]["holders"] == {  # misled, and the vote split
+            directory: {"endpoint": second_endpoint, "known": "learnt", "naming": 3, "asked": 5}}
+        told = " ".join(run_cli("scan", *cli_args(cluster), "--offload-dir", directory, "--no-progress").stdout.split())
+        assert (f"holder of {directory} learnt from the master: {second_endpoint}, named by 3 of the 5 newest keys "
+                f"asked; if another holder owns it, give it as --offload-dir DIR=ENDPOINT") in told
+
+        for read_mode in ("lease", "peek"):
+            scanned = run_cli("scan", *cli_args(cluster), "--read-mode", read_mode, "--all",
+                              "--offload-dir", f"{directory}={first_endpoint}", "--format", "json",
+                              "--output", str(report), "--no-progress")
+            assert scanned.exit_code == 0, scanned.output
+            document = json.loads(report.read_text())
+            offload = document["summary"]["offload"]
+            assert document["summary"]["verdicts"] == {}, read_mode
+            assert offload["holders"] == {directory: {"endpoint": first_endpoint, "known": "given"}}
+            assert (offload["disk_copies_compared"], offload["disk_copies_divergent"],
+                    offload["disk_copies_elsewhere"]) == (len(own), 0, len(moved)), read_mode
+            latent = offload["latent"]
+            assert (latent["copies"], latent["unlike_memory"], latent["superseded"]) == (3, 3, 3), read_mode
+            assert {row["key"]: row["current_copy"] for row in latent["named"]} == dict.fromkeys(
+                moved, {"endpoint": second_endpoint})
+            digest = lambda value: f"{xxhash.xxh3_64_intdigest(value):016x}"  # noqa: E731
+            assert {row["key"]: row["xxh3"] for row in latent["named"]} == {key: digest(value) for key, value in moved.items()}

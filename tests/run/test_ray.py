@@ -269,3 +269,13 @@ def test_ray_tasks_read_disk_only_keys_from_the_holders_offload_directory(local_
             remove(store, sorted(disk_only)[0], patience_s=0)  # no lease left: removable at once
         finally:
             store.close()
+
+
+def test_an_offload_directory_given_with_its_holder_is_refused_with_ray(cli_args, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "cli", "scan", *cli_args, "--ray", "local", "--read-mode", "peek",
+                             "--offload-dir", f"{tmp_path}=127.0.0.1:9", "--no-progress"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines()[-1] == (
+        "mooncake-audit: error: --offload-dir DIR=ENDPOINT names one holder's directory, and each host's Ray task "
+        "reads DIR of its own holder: give DIR alone with --ray")
