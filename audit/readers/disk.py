@@ -41,11 +41,6 @@ TRANSFER_FAIL = -800
 DEFAULT_TENANT = "default"  # a bucket stores `tenant \0 key`; the admin API answers for this tenant only
 
 
-def _disk_endpoint(key: KeyInfo) -> str | None:
-    """The holder's offload RPC endpoint, as the listing described the key's disk replica."""
-    return next((replica.get("endpoint") for replica in key.replicas if replica.get("tier") == "local_disk"), None)
-
-
 def listed_on_disk(key: KeyInfo) -> bool:
     """Whether the listing shows `key` with a copy on a holder's SSD (`local_disk`)."""
     return any(replica.get("tier") == "local_disk" for replica in key.replicas)
@@ -62,8 +57,16 @@ def on_disk_only(key: KeyInfo) -> bool:
     return tiers == {"local_disk"} and "," not in key.name
 
 
-def _disk_endpoints(key: KeyInfo) -> set[str]:
-    return {str(replica.get("endpoint")) for replica in key.replicas if replica.get("tier") == "local_disk"}
+def _disk_endpoints(key: KeyInfo) -> list[str]:
+    """The holders' offload RPC endpoints the listing shows the key's disk replicas at, in its order."""
+    return list(dict.fromkeys(str(replica["endpoint"]) for replica in key.replicas
+                              if replica.get("tier") == "local_disk" and replica.get("endpoint") is not None))
+
+
+def _read_at(index: OffloadIndex, key: KeyInfo, copy: StoredValue) -> str | None:
+    """The holder a copy read for `key` is named by: its directory's, where known, else the first the
+    listing shows the key's disk replicas at."""
+    return index.owner_of(copy) or next(iter(_disk_endpoints(key)), None)
 
 
 OWNER_SAMPLE = 8  # keys asked of the master per directory to learn which holder's it is
@@ -109,7 +112,7 @@ def holder_of(admin: AdminClient, index: OffloadIndex, copy: StoredValue) -> str
     return index.owner_of(copy)
 
 
-def listed_copy(admin: AdminClient, index: OffloadIndex, key: bytes, endpoints: set[str]) -> StoredValue | None:
+def listed_copy(admin: AdminClient, index: OffloadIndex, key: bytes, endpoints: Sequence[str]) -> StoredValue | None:
     """The copy of `key` the master lists at one of `endpoints` (its disk replicas' holders): the
     one in the directory of one of those holders (`directory_owners`, learnt once an index meets a
     key listed on disk), else the newest in a directory whose holder is not known, else none here.
@@ -276,7 +279,7 @@ class DiskReader:
             return KeyRead(code, [])
         if code == 0 and value.size not in sizes:
             code = MOVED
-        row = {"tier": "local_disk", "endpoint": _disk_endpoint(slot.key), "address": None, "file": str(value.path),
+        row = {"tier": "local_disk", "endpoint": _read_at(self.index, slot.key, value), "address": None, "file": str(value.path),
                "offset": value.value_offset, "size": value.size, "xxh3": None, "status": "ok"}
         if code != 0:
             row.update(status="moved" if code == MOVED else "failed",
@@ -327,7 +330,7 @@ class DiskCopies:
             self.elsewhere += 1  # its holder's directory is not among ours (another host)
             return
         self._judged(record, value, lambda: self.listed(key), lambda row: self._still_listed(key, row),
-                     _disk_endpoint(key))
+                     _read_at(self.index, key, value))
 
     def _judged(self, record: KeyRecord, value: StoredValue, located: Callable[[], StoredValue | None],
                 still_listed: Callable[[dict], bool], endpoint: str | None) -> None:
@@ -394,7 +397,7 @@ class DiskCopies:
             return []
         current = self.listed(key) if key is not None else copies[0]
         if current is None:
-            place = {"current_copy": {"endpoint": _disk_endpoint(key)}}
+            place = {"current_copy": {"endpoint": next(iter(_disk_endpoints(key)), None)}}
         else:
             place = {"current_copy": {"file": str(current.path), "offset": current.value_offset}}
         tenant = {"tenant": record.tenant} if record.tenant is not None else {}
