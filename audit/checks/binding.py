@@ -22,6 +22,11 @@ ROW_TOLERANCE = 0.05
 # would need twice that, too near other weights: not bound.
 FP8_ROW_TOLERANCE = 0.125
 ROUNDED_DTYPES = frozenset({"float8_e4m3fn"})  # caches that round what they hold: FP8_ROW_TOLERANCE
+# Attention caches whose pages are bound, each with its bytes a number: V as computed, or (fp8 e4m3,
+# vLLM's "fp8") rounded to 3 mantissa bits at a scale of 1 (vLLM's unless the checkpoint brings its
+# own KV scales), judged at its wider `row_tolerance` (proved on V and K pages; an fp8 MLA latent is
+# not bound); e5m2 is not bound
+BOUND_KV_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 CANDIDATES = 8  # tokens a row far from its probe-nearest token is compared with on every column
 SHARED_CODE = 8  # a code shared by more tokens than this sends the row to the search
 FLIPPED_BITS = 2  # a row's codes tried with its probe columns nearest their centers flipped, one at a time

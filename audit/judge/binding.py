@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from audit.checks.binding import (
+    BOUND_KV_DTYPES,
     ROUNDED_DTYPES,
     ROW_TOLERANCE,
     key_positions,
@@ -122,12 +123,6 @@ class Bindings:
             self.prefix_checked += prefix_checked
 
 
-# An attention page in these dtypes holds V as computed, or (fp8 e4m3, vLLM's "fp8") rounded to 3
-# mantissa bits at a scale of 1 (vLLM's unless the checkpoint brings its own KV scales), judged at
-# its wider `row_tolerance` (proved on V and K pages; an fp8 MLA latent is not bound); e5m2 is not bound.
-_BOUND_KV = frozenset({"float32", "float16", "bfloat16", "float8_e4m3fn"})
-
-
 def layer0_region(layout, kind: str | None = None):
     """Layer 0's region in `layout` whose rows are token images, of `kind` (`TokenImages.region`) or
     any: its conv state ("conv"), its attention page of (heads, tokens, 2 * head_size) ("v": its V
@@ -140,7 +135,7 @@ def layer0_region(layout, kind: str | None = None):
             continue
         if region.kind == "state" and region.name == "conv":
             found = "conv"
-        elif region.kind == "kv" and len(region.shape) == 3 and region.dtype in _BOUND_KV:
+        elif region.kind == "kv" and len(region.shape) == 3 and region.dtype in BOUND_KV_DTYPES:
             found = "latent" if kind == "latent" and region.shape[0] == 1 else "v" if region.shape[2] % 2 == 0 else None
             if found == "latent" and region.dtype in ROUNDED_DTYPES:
                 found = None

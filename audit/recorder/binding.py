@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from audit.checks.binding import ROUNDED_DTYPES, ROW_TOLERANCE, keys_fit, nearest_on_checked, placed_keys, row_tolerance
+from audit.checks.binding import BOUND_KV_DTYPES, ROUNDED_DTYPES, ROW_TOLERANCE, keys_fit, nearest_on_checked, placed_keys, row_tolerance
 from audit.checks.floats import decode_floats
 from audit.judge.prefixes import encoded_prefix_matches, prefix_matches
 from audit.layouts.manifest import segment_layer
@@ -71,11 +71,6 @@ class Layer0Rows:
     kind: str = "conv"
 
 
-# Attention pages in these dtypes hold V as computed, or rounded (fp8 e4m3 at vLLM's scale of 1:
-# judged at its `row_tolerance`; not an MLA latent); e5m2 is not bound
-_BOUND_KV = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
-
-
 def _attention_rows(group: dict, segment: dict) -> Layer0Rows | None:
     """Layer 0's attention page, where its segment is one whole page of K and V for every KV head
     and token of the block (vLLM's CPU backend), or of a latent a token (an ``MLAAttentionSpec``);
@@ -83,11 +78,11 @@ def _attention_rows(group: dict, segment: dict) -> Layer0Rows | None:
     attention, block_size = group.get("attention") or {}, group.get("block_size")
     heads, size, dtype = attention.get("num_kv_heads"), attention.get("head_size"), attention.get("dtype")
     latent = str(group.get("spec") or "").startswith("MLA")
-    if dtype not in _BOUND_KV or (latent and dtype in ROUNDED_DTYPES) or not heads or not size or not block_size \
+    if dtype not in BOUND_KV_DTYPES or (latent and dtype in ROUNDED_DTYPES) or not heads or not size or not block_size \
             or (not latent and (attention.get("head_size_v") or size) != size):
         return None
     width = int(size) if latent else 2 * int(size)
-    length = int(heads) * int(block_size) * width * _BOUND_KV[dtype]
+    length = int(heads) * int(block_size) * width * BOUND_KV_DTYPES[dtype]
     if int(segment["block_len"]) != length:
         return None
     return Layer0Rows(int(segment["index"]), 0, length, dtype, (int(heads), int(block_size), width),

@@ -243,3 +243,19 @@ def test_a_plan_weighs_each_sample_as_it_comes_and_keeps_none():
     row = next(row for row in plan.inference if (row["model"], row["group"]) == ("m", 0))
     assert row["bytes"] == expected[1] and row["bytes"]["keys_sampled"] == 6
     assert row["status"] == "from_bytes" and ("m", 0) not in plan.readings
+
+
+def test_a_key_is_flagged_only_where_every_reading_of_its_size_decodes_layer0():
+    """A size an fp8 e5m2 cache (not bound) shares with a 16-bit one: rows that bind under neither
+    reading are no WEIGHTS_MISMATCH, since the reading tried may be the wrong one; a size whose every
+    reading decodes layer 0 is judged."""
+    from audit.judge.binding import _every_reading_decoded, layer0_region
+
+    keys = [KeyInfo(vllm_key("m", f"{i:02x}"), 8_192) for i in range(2)]
+    (e5m2,) = infer_layouts(LayoutRequest(LLAMA_TINY, "m", kv_cache_dtype="fp8_e5m2"), observed_sizes(keys)).layouts
+    sixteen = [r.layout for r in _readings(LLAMA_TINY, {0: 8_192})[("m", 0)] if r.assumed["kv_dtype"] in ("bfloat16", "float16")]
+    assert layer0_region(e5m2) is None and e5m2.size == 8_192
+    assert len(sixteen) == 2 and all(layer0_region(layout) is not None for layout in sixteen)
+    assert _every_reading_decoded(KeyRecord(keys[0].name, 8_192, None), sixteen)
+    assert not _every_reading_decoded(KeyRecord(keys[0].name, 8_192, None), [*sixteen, e5m2])
+    assert _every_reading_decoded(KeyRecord(keys[0].name, 16_384, None), [*sixteen, e5m2])  # (readings of its own size only)
