@@ -1,4 +1,4 @@
-"""Layer-0 binding's cost (issue #40): whole `scan` processes of one Mamba2 store, given the model
+"""Layer-0 binding's cost (issue #40): whole `scan` processes of one Mamba2 (or Llama) store, given the model
 directory with its checkpoint (every key bound; its probe kept in the cache from an earlier run, as
 for a scan from cron, or built afresh; and with the producer's prefix records, `--block-tables`, so
 every key's decoded tokens are also checked against its hash's digest: PREFIX_MISMATCH) against the
@@ -8,6 +8,7 @@ same config.json without it (no binding), interleaved, in one run.
     python -m benchmarks.binding --keys 8 --runs 1  # a smoke run
     python -m benchmarks.binding --geometry small --keys 1000000 --runs 2 --no-fresh-probe  # a million keys
     python -m benchmarks.binding --device cuda --before DIR  # on a GPU host, and DIR's scan beside it
+    python -m benchmarks.binding --family llama --keys 1000  # an attention store: V and K bound
 
 `--geometry small` is the same vocabulary and layer-0 rule on a one-layer Mamba2 of hidden 32 (values of
 a few hundred bytes), so that a million keys fit this machine: binding's per-key cost against a scan's.
@@ -21,6 +22,13 @@ images of three random tokens rounded to bfloat16, every other byte a plausible 
 --dtype bfloat16 --mamba-ssm-cache-dtype bfloat16 --format json`, timed from spawn to reaped exit
 (`benchmarks.paired.run`), in turn A B C D, D C B A, ...; every run's report is checked (no finding, and
 the summary's binding says the model was bound, or is absent).
+
+`--family llama` is an attention store instead: `benchmarks.load_guard`'s Llama (16 layers, 8 KV heads of
+64, hidden 512, a 32,000-token vocabulary, random float32 weights with ``k_proj``), each key a block of
+16 tokens as vLLM's CPU backend publishes it at TP 1 (16 float32 pages of 64 KiB, 1 MiB): layer 0's V the
+images of 16 random tokens, its first KV head's K their K at the block's start, every other byte a
+plausible float32; the records name each block's tokens and start. Scanned with `--dtype float32
+--block-size 16`, so V's rows, their tokens' digest and K at its positions are all checked.
 """
 
 from __future__ import annotations
@@ -49,7 +57,9 @@ CONFIG = {"model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"], "hidde
           "num_hidden_layers": 24, "vocab_size": 50288, "layer_norm_epsilon": 1e-5, "torch_dtype": "bfloat16"}
 GEOMETRIES = {"130m": CONFIG, "small": {**CONFIG, "hidden_size": 32, "state_size": 4, "num_heads": 2, "head_dim": 32,
                                          "num_hidden_layers": 1}}
-FLAGS = ["--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "bfloat16"]
+FLAGS = {"mamba2": ["--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "bfloat16"],
+         "llama": ["--dtype", "float32", "--block-size", "16"]}
+ATTENTION_NAME = "llama-bench"
 PUT_BATCH = 1000  # keys put at once (as benchmarks.scale does: 4,096 at once failed with TRANSFER_FAIL)
 
 
@@ -69,6 +79,17 @@ def model_dirs(root: Path, config: dict) -> tuple[Path, Path]:
         "backbone.layers.0.norm.weight": 1 + 0.1 * rng.standard_normal(hidden, dtype=np.float32),
         "backbone.layers.0.mixer.in_proj.weight": rng.standard_normal((rows, hidden), dtype=np.float32) * 0.03,
     }, bfloat16=True)
+    return bound, unbound
+
+
+def attention_model_dirs(root: Path) -> tuple[Path, Path]:
+    """`benchmarks.load_guard`'s Llama with its checkpoint (V and K at layer 0), and its config.json alone."""
+    from benchmarks.load_guard import LLAMA, write_model
+
+    bound, unbound = root / "bound" / ATTENTION_NAME, root / "unbound" / ATTENTION_NAME
+    write_model(bound, "llama")
+    unbound.mkdir(parents=True)
+    (unbound / "config.json").write_text(json.dumps(LLAMA))
     return bound, unbound
 
 
@@ -122,11 +143,56 @@ def publish(cluster, bound: Path, keys: int, records: Path) -> int:
     return layout.size
 
 
+def publish_attention(cluster, bound: Path, keys: int, records: Path) -> int:
+    """`keys` blocks of 16 random tokens at random block starts, each 16 float32 pages as vLLM's CPU
+    backend publishes them (layer 0's V their images, its first head's K their K at the start); each
+    key's hash, tokens and start written to `records` as a producer's prefix records."""
+    from audit.connection import Settings
+    from audit.layouts.weights import token_images
+    from audit.prefixrecords import prefix_line
+    from audit.producers.vllm import vllm_key
+    from audit.workload import Publisher
+    from benchmarks.load_guard import BLOCK_TOKENS, HEAD, KV_HEADS, LAYERS, PAGE, turned_keys
+
+    size = LAYERS * PAGE
+    images = token_images(bound, ATTENTION_NAME, 1, 0)
+    rng = np.random.default_rng(41)
+    publisher = Publisher(Settings(master=cluster.master_address, metadata=cluster.metadata_url,
+                                   admin=cluster.admin_url, local_hostname="127.0.0.1"))
+    store, batch = publisher.store, 64  # 64 MiB registered once: each batch put from it
+    buffer = np.empty((batch, size), np.uint8)
+    if store.register_buffer(buffer.ctypes.data, buffer.nbytes) != 0:
+        raise SystemExit("register_buffer failed")
+    records.mkdir(parents=True, exist_ok=True)
+    try:
+        with (records / "prefixes-bench-0-0000.jsonl").open("w") as lines:
+            for first in range(0, keys, batch):
+                count = min(batch, keys - first)
+                buffer[:count] = rng.standard_normal((count, size // 4), dtype=np.float32).view(np.uint8)
+                hashes = [hashlib.sha256(index.to_bytes(8, "little")).hexdigest() for index in range(first, first + count)]
+                for slot, chunk_hash in enumerate(hashes):
+                    tokens = rng.integers(0, images.vocab_size, BLOCK_TOKENS).tolist()
+                    start = BLOCK_TOKENS * int(rng.integers(0, 256))
+                    page = buffer[slot, :PAGE].view(np.float32).reshape(KV_HEADS, 2, BLOCK_TOKENS, HEAD)
+                    page[:, 1] = images.images(tokens).reshape(BLOCK_TOKENS, KV_HEADS, HEAD).transpose(1, 0, 2)
+                    page[0, 0] = np.ascontiguousarray(turned_keys(images, tokens, start).T).reshape(BLOCK_TOKENS, HEAD)
+                    lines.write(prefix_line(chunk_hash, None, None, tokens, start) + "\n")
+                codes = store.batch_put_from([vllm_key(ATTENTION_NAME, digest) for digest in hashes],
+                                             [buffer.ctypes.data + slot * size for slot in range(count)], [size] * count)
+                if any(code != 0 for code in codes):
+                    raise SystemExit(f"{sum(code != 0 for code in codes)} puts failed (first {min(codes)})")
+    finally:
+        store.unregister_buffer(buffer.ctypes.data)
+        publisher.close()
+    return size
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", type=int, default=160)
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--geometry", choices=GEOMETRIES, default="130m")
+    parser.add_argument("--geometry", choices=GEOMETRIES, default="130m", help="the Mamba2's")
+    parser.add_argument("--family", choices=FLAGS, default="mamba2", help="a Mamba2 store, or a Llama's attention blocks")
     parser.add_argument("--fresh-probe", action=argparse.BooleanOptionalAction, default=True,
                         help="also time a scan that builds the probe afresh")
     parser.add_argument("--device", default="auto", help="the scans' --device (cuda: values read into GPU memory)")
@@ -134,16 +200,22 @@ def main() -> int:
     args = parser.parse_args()
     from audit.cluster import LocalCluster
 
+    attention = args.family == "llama"
     with tempfile.TemporaryDirectory(prefix="bench-binding-") as scratch:
-        bound, unbound = model_dirs(Path(scratch), GEOMETRIES[args.geometry])
-        from audit.judge.plan import load_layouts
+        if attention:
+            (bound, unbound), name = attention_model_dirs(Path(scratch)), ATTENTION_NAME
+            value_size = 1 << 20
+        else:
+            (bound, unbound), name = model_dirs(Path(scratch), GEOMETRIES[args.geometry]), NAME
+            from audit.judge.plan import load_layouts
 
-        (layout,) = load_layouts(model_configs=[bound], model_dtype="bfloat16", ssm_dtype="bfloat16")
-        segment_mb = int(args.keys * (layout.size + 64) * 1.3 / (1 << 20)) + 256  # headroom: a full segment evicts
+            (layout,) = load_layouts(model_configs=[bound], model_dtype="bfloat16", ssm_dtype="bfloat16")
+            value_size = layout.size
+        segment_mb = int(args.keys * (value_size + 64) * 1.3 / (1 << 20)) + 256  # headroom: a full segment evicts
         with LocalCluster(holders=1, segment_mb=segment_mb) as cluster:
             records = Path(scratch) / "records"
             started = time.perf_counter()
-            size = publish(cluster, bound, args.keys, records)
+            size = (publish_attention if attention else publish)(cluster, bound, args.keys, records)
             print(f"published {args.keys:,} keys of {size:,} B in {time.perf_counter() - started:.0f} s",
                   file=sys.stderr)
             env, inherited = dict(os.environ), os.environ.get("PYTHONPATH")  # (a GPU host's bundle: its Mooncake)
@@ -152,7 +224,7 @@ def main() -> int:
             def command(model_dir: Path, out: str, *extra: str) -> list[str]:
                 return [sys.executable, "-m", "cli", "scan", "--master", cluster.master_address, "--metadata",
                         cluster.metadata_url, "--admin", cluster.admin_url, "--local-hostname", "127.0.0.1",
-                        "--model-config", str(model_dir), *FLAGS, "--format", "json", "--no-progress",
+                        "--model-config", str(model_dir), *FLAGS[args.family], "--format", "json", "--no-progress",
                         "--output", str(Path(scratch) / out), "--device", args.device, *extra]
 
             cache = Path(scratch) / "cache"
@@ -162,6 +234,7 @@ def main() -> int:
                 del arms["binding, probe not kept"]
             if args.before is not None:
                 arms["binding, before"] = (bound, (), args.before.resolve())
+                arms["binding and prefix records, before"] = (bound, ("--block-tables", str(records)), args.before.resolve())
             measured: dict[str, list[dict]] = {label: [] for label in arms}
             for round_ in range(args.runs + 1):  # the first round warms caches, unmeasured
                 order = list(arms.items())
@@ -176,9 +249,11 @@ def main() -> int:
                         raise SystemExit(f"{label}: no report (exit {result['code']}): {result['stderr'][-800:]}")
                     summary = json.loads(report.read_text())["summary"]
                     assert summary["keys_scanned"] == args.keys and summary["findings"] == 0, summary
-                    assert (summary.get("binding", {}).get("bound") == [NAME]) == (label != "no binding"), summary
+                    assert (summary.get("binding", {}).get("bound") == [name]) == (label != "no binding"), summary
                     if extra:  # every key's hash has its record, and every state held its tokens
                         assert summary["binding"]["prefix_records"]["hashes"] == args.keys, summary
+                    if attention and label != "no binding":  # and every page's K was checked at its positions
+                        assert summary["binding"].get("k_checked") == args.keys, summary["binding"]
                     if round_:
                         measured[label].append(result)
     lines = []

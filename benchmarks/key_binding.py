@@ -88,7 +88,9 @@ def time_scan(root: Path, with_k: Path, without_k: Path, memory, pages: int, rou
             record.verdicts.clear()
         bindings = Bindings.of([model], layout.model)
         bindings.prefixes = table
-        bindings.images(layout.model, 1, 0)  # (the tables built before the clock)
+        images = bindings.images(layout.model, 1, 0)  # (the tables built before the clock, as a scan's first batch does)
+        for warmed in ("table", "table_squares", "probe_signs", "twins"):
+            getattr(images, warmed)
         started = time.perf_counter()
         bind_values(records, Values.listed(values), [(layout,)] * pages, bindings)
         elapsed = time.perf_counter() - started

@@ -178,18 +178,23 @@ def bind_values(records: list[KeyRecord], values: Values, readings: list, bindin
     tried: dict[int, list] = {}  # record index -> (images, tokens, distances), one per reading decoded
     decoded: Counter = Counter()  # keys decoded, per model
     of_prefix: list[tuple] = []  # (images, records bound, their tokens), each compared with its prefix record
-    stacked, one_by_one = _stacked_conv_rows(judged, records, values, readings, bindings)
+    keyed: dict[int, tuple] = {}  # id(images) -> (images, attention pages bound: their K checked as one batch)
+    stacked, one_by_one = _stacked_rows(judged, records, values, readings, bindings)
     later_of = {i: _readings(records[i], values.value(i), readings[i], bindings) for i in one_by_one}
-    for images, members, rows, tolerance in stacked:
+    for images, members, rows, tolerance, wheres in stacked:
         tokens, distances = nearest_tokens(rows.reshape(-1, images.columns), images, tolerance)
         tokens, distances = tokens.reshape(len(members), -1), distances.reshape(len(members), -1)
         binds = (distances <= tolerance).all(axis=1)
         decoded[images.model] += len(members)
         if bindings.prefixes is not None:  # the keys bound at once: their prefixes compared as one batch
             of_prefix.append((images, [records[members[j]] for j in np.flatnonzero(binds).tolist()], tokens[binds]))
+        if wheres is not None and images.keys is not None:  # attention pages bound: their K at their positions?
+            pages = keyed.setdefault(id(images), (images, []))[1]
+            pages += [(records[members[j]], values.value(members[j]), wheres[j], tokens[j])
+                      for j in np.flatnonzero(binds).tolist()]
         for j in np.flatnonzero(~binds).tolist():  # the first reading, decoded, does not bind:
             i = members[j]                         # the later ones are made one at a time
-            tried[i] = [(images, tokens[j], distances[j], None, tolerance)]
+            tried[i] = [(images, tokens[j], distances[j], None if wheres is None else wheres[j], tolerance)]
             later_of[i] = itertools.islice(_readings(records[i], values.value(i), readings[i], bindings), 1, None)
     pending = [(i, reading, later) for i, later in later_of.items() if (reading := next(later, None)) is not None]
     while pending:
@@ -206,7 +211,6 @@ def bind_values(records: list[KeyRecord], values: Values, readings: list, bindin
                 start = end
         unbound = [(i, later) for i, _, later in pending if not (tried[i][-1][2] <= tried[i][-1][4]).all()]
         pending = [(i, reading, later) for i, later in unbound if (reading := next(later, None)) is not None]
-    keyed: dict[int, tuple] = {}  # id(images) -> (images, attention pages bound: their K checked as one batch)
     one_by_one_prefixes: dict[int, tuple] = {}  # id(images) -> (images, records, their tokens): one check each
     for i, outcomes in tried.items():
         bound = [(images, tokens, order) for images, tokens, distances, order, tolerance in outcomes
@@ -225,19 +229,22 @@ def bind_values(records: list[KeyRecord], values: Values, readings: list, bindin
             one_by_one_prefixes[id(images)][2].append(tokens)
     for images, pages in keyed.values():
         bindings.count_k_checked(bind_keys(pages, images))
-    of_prefix += one_by_one_prefixes.values()
+    for images, bound_records, tokens in one_by_one_prefixes.values():  # rows of one length: one array, settled at once
+        of_prefix.append((images, bound_records, np.stack(tokens) if len({len(t) for t in tokens}) == 1 else tokens))
     decoded.update(tried[i][0][0].model for i in one_by_one if i in tried)
     checked = sum(check_prefixes(bound_records, tokens, images, bindings.prefixes)
                   for images, bound_records, tokens in of_prefix)
     bindings.count(decoded, checked)
 
 
-def _stacked_conv_rows(judged: list[int], records, values: Values, readings,
-                       bindings: Bindings) -> tuple[list, list]:
-    """The first readings that are conv states, stacked per (images, region): a list of (images,
-    record indices, rows (keys, rows, columns)); and the record indices left to read one at a time
-    (attention pages, whose rows depend on each key's record; values in GPU memory given without their
-    buffer; a width that does not fit the images, which `_readings` reports)."""
+def _stacked_rows(judged: list[int], records, values: Values, readings,
+                  bindings: Bindings) -> tuple[list, list]:
+    """The first readings that are conv states, or attention pages whose every row is their block's
+    (in the CPU backend's byte order), stacked per (images, region): a list of (images, record
+    indices, rows (keys, rows, columns), tolerance, each page's `where` (None for conv states)); and
+    the record indices left to read one at a time (a partial tail block, whose rows depend on its
+    record; values in GPU memory given without their buffer; a width that does not fit the images,
+    which `_readings` reports)."""
     groups: dict[tuple, list] = {}  # (id(images), id(region)) -> [images, region, record indices]
     members_of: dict[tuple, object] = {}  # (the key's readings, its size[, its rank]) -> its group's indices
     one_by_one = []
@@ -257,12 +264,24 @@ def _stacked_conv_rows(judged: list[int], records, values: Values, readings,
             found.append(i)
     stacked = []
     for images, region, members in groups.values():
-        numbers = decode_floats(_gathered(values, members, region), region.dtype)
+        wheres = None
+        if images.region == "v":  # a page's rows are its block's where its record says all of them are
+            blocks = [_block_record(records[i], "v", bindings.prefixes) for i in members]
+            whole = [block is None or window_and_digest(block)[0] >= region.shape[1] for block in blocks]
+            one_by_one += [i for i, kept in zip(members, whole) if not kept]
+            members, blocks = [i for i, kept in zip(members, whole) if kept], [b for b, kept in zip(blocks, whole) if kept]
+            wheres = [(region, 0, record_start(block)) for block in blocks]
+        numbers = decode_floats(_gathered(values, members, region), region.dtype) if members else None
         if numbers is None:
             continue
-        rows = numbers.reshape(len(members), *region.shape).astype(np.float32)
-        stacked.append((images, members, rows if region.shape[0] <= region.shape[1] else rows.transpose(0, 2, 1),
-                        row_tolerance(region.dtype)))
+        if images.region == "v":  # (heads, K|V, tokens, head_size) a page: each token's V over the heads
+            heads, tokens, width = region.shape
+            rows = numbers.reshape(len(members), heads, 2, tokens, width // 2)[:, :, 1].transpose(0, 2, 1, 3)
+            rows = np.ascontiguousarray(rows.reshape(len(members), tokens, heads * (width // 2)), dtype=np.float32)
+        else:
+            rows = numbers.reshape(len(members), *region.shape).astype(np.float32)
+            rows = rows if region.shape[0] <= region.shape[1] else rows.transpose(0, 2, 1)
+        stacked.append((images, members, rows, row_tolerance(region.dtype), wheres))
     return stacked, one_by_one
 
 
@@ -295,23 +314,26 @@ _UNSEEN, _RANKED = object(), object()  # (markers: a reading not met yet; one wh
 
 def _members(groups: dict[tuple, list], size: int, rank: int, layouts, bindings: Bindings) -> list | None:
     """The indices of `groups`' group for the first reading of a key of `size`, `rank` and `layouts`
-    (`_first_conv_reading`); None where it is not a stacked conv state."""
-    first = _first_conv_reading(size, rank, layouts, bindings)
+    (`_first_stacked_reading`); None where it is not stacked."""
+    first = _first_stacked_reading(size, rank, layouts, bindings)
     return None if first is None else groups.setdefault((id(first[0]), id(first[1])), [*first, []])[2]
 
 
-def _first_conv_reading(size: int, rank: int, layouts, bindings: Bindings) -> tuple | None:
-    """(images, region) of the first reading `_readings` would decode, where it is a conv state whose
-    rows fit the images; None otherwise."""
+def _first_stacked_reading(size: int, rank: int, layouts, bindings: Bindings) -> tuple | None:
+    """(images, region) of the first reading `_readings` would decode, where it is a conv state or an
+    attention page (V rows) whose rows fit the images; None otherwise."""
     for layout in layouts:
         if layout.size != size or layer0_region(layout) is None:
             continue
         images = bindings.images(layout.model, layout.tp_size, rank if layout.tp_size > 1 else 0)
         region = None if images is None else layer0_region(layout, images.region)
-        if region is None:
-            continue
-        usable = images.region == "conv" and len(region.shape) == 2 and region.dtype in FLOAT_DTYPES
-        return (images, region) if usable and max(region.shape) == images.columns else None
+        if region is None or region.dtype not in FLOAT_DTYPES:
+            return None
+        if images.region == "conv" and len(region.shape) == 2:
+            return (images, region) if max(region.shape) == images.columns else None
+        if images.region == "v" and len(region.shape) == 3:
+            return (images, region) if region.shape[0] * (region.shape[2] // 2) == images.columns else None
+        return None
     return None
 
 
