@@ -41,6 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -99,47 +100,60 @@ def _bfloat16(values: np.ndarray) -> np.ndarray:
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
+@contextmanager
+def _put_buffer(cluster, rows: int, size: int):
+    """A writer on `cluster` and a buffer of `rows` values of `size` bytes registered with it once: each
+    batch is put from it (`_put`)."""
+    from audit.connection import Settings
+    from audit.workload import Publisher
+
+    publisher = Publisher(Settings(master=cluster.master_address, metadata=cluster.metadata_url,
+                                   admin=cluster.admin_url, local_hostname="127.0.0.1"))
+    buffer = np.empty((rows, size), np.uint8)
+    if publisher.store.register_buffer(buffer.ctypes.data, buffer.nbytes) != 0:
+        publisher.close()
+        raise SystemExit("register_buffer failed")
+    try:
+        yield publisher.store, buffer
+    finally:
+        publisher.store.unregister_buffer(buffer.ctypes.data)
+        publisher.close()
+
+
+def _put(store, buffer: np.ndarray, names: list[str]) -> None:
+    """The buffer's first values put under `names`, one a row."""
+    size = buffer.shape[1]
+    codes = store.batch_put_from(names, [buffer.ctypes.data + slot * size for slot in range(len(names))], [size] * len(names))
+    if any(code != 0 for code in codes):
+        raise SystemExit(f"{sum(code != 0 for code in codes)} puts failed (first {min(codes)})")
+
+
 def publish(cluster, bound: Path, keys: int, records: Path) -> int:
     """`keys` values of the model's layout, layer 0's conv rows the bfloat16 images of random tokens;
     each key's hash and its tokens' digest written to `records` as a producer's prefix records."""
-    from audit.connection import Settings
     from audit.judge.plan import load_layouts
     from audit.layouts.weights import token_images
     from audit.prefixrecords import prefix_line
     from audit.producers.vllm import vllm_key
-    from audit.workload import Publisher
 
     (layout,) = load_layouts(model_configs=[bound], model_dtype="bfloat16", ssm_dtype="bfloat16")
     conv = next(region for segment, region in layout.regions() if segment.layer == 0 and region.name == "conv")
     images = token_images(bound, NAME, 1, 0)
     every_image = _bfloat16(images.images(np.arange(images.vocab_size)))  # (vocab, columns): each token's rows
     rng = np.random.default_rng(41)
-    publisher = Publisher(Settings(master=cluster.master_address, metadata=cluster.metadata_url,
-                                   admin=cluster.admin_url, local_hostname="127.0.0.1"))
-    store = publisher.store
-    buffer = np.empty((PUT_BATCH, layout.size), np.uint8)  # registered once: each batch put from it
-    if store.register_buffer(buffer.ctypes.data, buffer.nbytes) != 0:
-        raise SystemExit("register_buffer failed")
     records.mkdir(parents=True, exist_ok=True)
-    try:
-        with (records / "prefixes-bench-0-0000.jsonl").open("w") as lines:
-            for first in range(0, keys, PUT_BATCH):
-                count = min(PUT_BATCH, keys - first)
-                values = buffer[:count]
-                values[:] = state_like(rng, count * layout.size).reshape(count, layout.size)
-                tokens = rng.integers(0, images.vocab_size, (count, 3))
-                values[:, conv.offset:conv.offset + conv.length] = every_image[tokens].view(np.uint8).reshape(count, -1)
-                hashes = [hashlib.sha256(index.to_bytes(8, "little")).hexdigest()  # as vLLM's: sha256, uniform
-                          for index in range(first, first + count)]
-                lines.writelines(prefix_line(digest, 3, its_tokens) + "\n" for digest, its_tokens in zip(hashes, tokens))
-                codes = store.batch_put_from([vllm_key(NAME, digest) for digest in hashes],
-                                             [buffer.ctypes.data + slot * layout.size for slot in range(count)],
-                                             [layout.size] * count)
-                if any(code != 0 for code in codes):
-                    raise SystemExit(f"{sum(code != 0 for code in codes)} puts failed (first {min(codes)})")
-    finally:
-        store.unregister_buffer(buffer.ctypes.data)
-        publisher.close()
+    with _put_buffer(cluster, PUT_BATCH, layout.size) as (store, buffer), \
+            (records / "prefixes-bench-0-0000.jsonl").open("w") as lines:
+        for first in range(0, keys, PUT_BATCH):
+            count = min(PUT_BATCH, keys - first)
+            values = buffer[:count]
+            values[:] = state_like(rng, count * layout.size).reshape(count, layout.size)
+            tokens = rng.integers(0, images.vocab_size, (count, 3))
+            values[:, conv.offset:conv.offset + conv.length] = every_image[tokens].view(np.uint8).reshape(count, -1)
+            hashes = [hashlib.sha256(index.to_bytes(8, "little")).hexdigest()  # as vLLM's: sha256, uniform
+                      for index in range(first, first + count)]
+            lines.writelines(prefix_line(digest, 3, its_tokens) + "\n" for digest, its_tokens in zip(hashes, tokens))
+            _put(store, buffer, [vllm_key(NAME, digest) for digest in hashes])
     return layout.size
 
 
@@ -147,43 +161,30 @@ def publish_attention(cluster, bound: Path, keys: int, records: Path) -> int:
     """`keys` blocks of 16 random tokens at random block starts, each 16 float32 pages as vLLM's CPU
     backend publishes them (layer 0's V their images, its first head's K their K at the start); each
     key's hash, tokens and start written to `records` as a producer's prefix records."""
-    from audit.connection import Settings
     from audit.layouts.weights import token_images
     from audit.prefixrecords import prefix_line
     from audit.producers.vllm import vllm_key
-    from audit.workload import Publisher
     from benchmarks.load_guard import BLOCK_TOKENS, HEAD, KV_HEADS, LAYERS, PAGE, turned_keys
 
     size = LAYERS * PAGE
     images = token_images(bound, ATTENTION_NAME, 1, 0)
     rng = np.random.default_rng(41)
-    publisher = Publisher(Settings(master=cluster.master_address, metadata=cluster.metadata_url,
-                                   admin=cluster.admin_url, local_hostname="127.0.0.1"))
-    store, batch = publisher.store, 64  # 64 MiB registered once: each batch put from it
-    buffer = np.empty((batch, size), np.uint8)
-    if store.register_buffer(buffer.ctypes.data, buffer.nbytes) != 0:
-        raise SystemExit("register_buffer failed")
     records.mkdir(parents=True, exist_ok=True)
-    try:
-        with (records / "prefixes-bench-0-0000.jsonl").open("w") as lines:
-            for first in range(0, keys, batch):
-                count = min(batch, keys - first)
-                buffer[:count] = rng.standard_normal((count, size // 4), dtype=np.float32).view(np.uint8)
-                hashes = [hashlib.sha256(index.to_bytes(8, "little")).hexdigest() for index in range(first, first + count)]
-                for slot, chunk_hash in enumerate(hashes):
-                    tokens = rng.integers(0, images.vocab_size, BLOCK_TOKENS).tolist()
-                    start = BLOCK_TOKENS * int(rng.integers(0, 256))
-                    page = buffer[slot, :PAGE].view(np.float32).reshape(KV_HEADS, 2, BLOCK_TOKENS, HEAD)
-                    page[:, 1] = images.images(tokens).reshape(BLOCK_TOKENS, KV_HEADS, HEAD).transpose(1, 0, 2)
-                    page[0, 0] = np.ascontiguousarray(turned_keys(images, tokens, start).T).reshape(BLOCK_TOKENS, HEAD)
-                    lines.write(prefix_line(chunk_hash, None, None, tokens, start) + "\n")
-                codes = store.batch_put_from([vllm_key(ATTENTION_NAME, digest) for digest in hashes],
-                                             [buffer.ctypes.data + slot * size for slot in range(count)], [size] * count)
-                if any(code != 0 for code in codes):
-                    raise SystemExit(f"{sum(code != 0 for code in codes)} puts failed (first {min(codes)})")
-    finally:
-        store.unregister_buffer(buffer.ctypes.data)
-        publisher.close()
+    batch = 64  # 64 MiB
+    with _put_buffer(cluster, batch, size) as (store, buffer), \
+            (records / "prefixes-bench-0-0000.jsonl").open("w") as lines:
+        for first in range(0, keys, batch):
+            count = min(batch, keys - first)
+            buffer[:count] = rng.standard_normal((count, size // 4), dtype=np.float32).view(np.uint8)
+            hashes = [hashlib.sha256(index.to_bytes(8, "little")).hexdigest() for index in range(first, first + count)]
+            for slot, chunk_hash in enumerate(hashes):
+                tokens = rng.integers(0, images.vocab_size, BLOCK_TOKENS).tolist()
+                start = BLOCK_TOKENS * int(rng.integers(0, 256))
+                page = buffer[slot, :PAGE].view(np.float32).reshape(KV_HEADS, 2, BLOCK_TOKENS, HEAD)
+                page[:, 1] = images.images(tokens).reshape(BLOCK_TOKENS, KV_HEADS, HEAD).transpose(1, 0, 2)
+                page[0, 0] = np.ascontiguousarray(turned_keys(images, tokens, start).T).reshape(BLOCK_TOKENS, HEAD)
+                lines.write(prefix_line(chunk_hash, None, None, tokens, start) + "\n")
+            _put(store, buffer, [vllm_key(ATTENTION_NAME, digest) for digest in hashes])
     return size
 
 
