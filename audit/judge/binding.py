@@ -36,6 +36,7 @@ from audit.judge.prefixes import check_prefixes
 from audit.layouts import LayoutError
 from audit.layouts.checkpoint import Checkpoint
 from audit.layouts.weights import token_images
+from audit.layouts.rotary import decode_starts
 from audit.prefixrecords import CONV, KV, record_start, window_and_digest
 from audit.prefixtable import PrefixTable
 from audit.producers.vllm import split_stem
@@ -433,22 +434,40 @@ def bind_keys(pages: list[tuple], images) -> int:
     tokens' K at consecutive positions from its block's start: the start its producer recorded for
     the key's hash, else any multiple of the page's rows (`key_positions`): KV computed at other
     positions (a block of the same tokens from elsewhere in a prompt, an off-by-some position), or K
-    of other tokens than its V. The pages with a recorded start, read in their V's order first, are
-    judged as one array; the others, and any that do not fit there, one at a time. How many pages
-    were checked."""
-    keys, at_once, alone = images.keys, [], []
-    for page in pages:
-        (at_once if page[2][2] is not None else alone).append(page)
-    if at_once:
-        probed = [probed_key_rows(next(key_rows(value, region, order, keys.head))[:len(tokens)], keys)
-                  for _, value, (region, order, _), tokens in at_once]
-        fits = pages_keys_fit(probed, [tokens for *_, tokens in at_once],
-                              [start + np.arange(len(rows)) for (_, _, (_, _, start), _), rows in zip(at_once, probed)], keys,
-                              [row_tolerance(region.dtype) for _, _, (region, _, _), _ in at_once])
-        alone += [page for page, fit in zip(at_once, fits) if not fit]
-    for record, value, where, tokens in alone:
-        _bind_page_keys(record, value, where, tokens, keys)
+    of other tokens than its V. Read in their V's order, the pages are judged as one array, at the
+    start recorded or else decoded (`decode_starts`, every page at once); any that do not fit there
+    one at a time, every way. How many pages were checked."""
+    keys = images.keys
+    probed = [probed_key_rows(next(key_rows(value, region, order, keys.head))[:len(tokens)], keys)
+              for _, value, (region, order, _), tokens in pages]
+    starts = [start for _, _, (_, _, start), _ in pages]
+    unrecorded = [j for j, start in enumerate(starts) if start is None]
+    for j, start in zip(unrecorded, _decoded_starts([probed[j] for j in unrecorded], [pages[j][3] for j in unrecorded], keys)):
+        starts[j] = start if start % pages[j][2][0].shape[1] == 0 else None  # (a block starts at a multiple of its rows)
+    placed = [j for j, start in enumerate(starts) if start is not None]
+    fits = pages_keys_fit([probed[j] for j in placed], [pages[j][3] for j in placed],
+                          [starts[j] + np.arange(len(probed[j])) for j in placed], keys,
+                          [row_tolerance(pages[j][2][0].dtype) for j in placed]) if placed else []
+    fitted = {j for j, fit in zip(placed, fits) if fit}
+    for j, (record, value, where, tokens) in enumerate(pages):
+        if j not in fitted:
+            _bind_page_keys(record, value, where, tokens, keys)
     return len(pages)
+
+
+def _decoded_starts(probed: list[np.ndarray], tokens: list, keys) -> list[int]:
+    """`decode_starts` of pages' K rows (`probed_key_rows`) and their tokens, the pages of one row
+    count as one array."""
+    starts = [0] * len(probed)
+    by_rows: dict[int, list[int]] = {}
+    for j, rows in enumerate(probed):
+        by_rows.setdefault(len(rows), []).append(j)
+    for members in by_rows.values():
+        observed = np.stack([probed[j] for j in members]).view(np.complex64)
+        pre = keys.turned[np.stack([np.asarray(tokens[j])[:len(probed[j])] for j in members])]
+        for j, start in zip(members, decode_starts(observed, pre, keys.rotary, keys.pairs).tolist()):
+            starts[j] = start
+    return starts
 
 
 def _bind_page_keys(record: KeyRecord, value, where: tuple, tokens, keys) -> None:

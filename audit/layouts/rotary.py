@@ -241,26 +241,34 @@ def rotate(first: np.ndarray, second: np.ndarray, angles: np.ndarray) -> tuple[n
 
 def decode_start(observed: np.ndarray, pre: np.ndarray, rotary: Rotary, pairs: np.ndarray) -> int:
     """The position of a page's first row, from K rows at consecutive positions and their tokens' K
-    before the rotation, each pair as one complex number (rows, pairs): each pair's turn, summed over
-    the rows, gives the start times its frequency modulo a turn; unwrapped from the slowest pair to
-    the fastest, each narrowing the estimate. Evidence only: a row is judged by its distance at a
+    before the rotation, each pair as one complex number (rows, pairs): `decode_starts` of one page."""
+    return int(decode_starts(observed[None], pre[None], rotary, pairs)[0])
+
+
+def decode_starts(observed: np.ndarray, pre: np.ndarray, rotary: Rotary, pairs: np.ndarray) -> np.ndarray:
+    """Each page's first row's position (pages, rows, pairs: K rows at consecutive positions and their
+    tokens' K before the rotation, each pair one complex number): each pair's turn, summed over the
+    rows, gives the start times its frequency modulo a turn; unwrapped from the slowest pair to the
+    fastest, each narrowing the estimate (pairs far weaker than a page's strongest left out; a
+    page with none: 0). Every page at once. Evidence only: a row is judged by its distance at a
     position (`audit.checks.binding.key_distances`), never by this estimate."""
-    steps = np.arange(len(observed), dtype=np.float64)[:, None] * rotary.inv_freq[pairs].astype(np.float64)
-    turned = (observed.astype(np.complex128) * np.conj(pre) * np.exp(-1j * steps)).sum(axis=0)
+    freqs = rotary.inv_freq[pairs].astype(np.float64)
+    steps = np.arange(observed.shape[1], dtype=np.float64)[:, None] * freqs
+    turned = (observed.astype(np.complex128) * np.conj(pre) * np.exp(-1j * steps)).sum(axis=1)  # (pages, pairs)
     strength = np.abs(turned)
-    order = [int(i) for i in np.argsort(rotary.inv_freq[pairs]) if strength[i] > 1e-3 * strength.max()]
-    if not order:
-        return 0
-    phases, freqs = np.angle(turned), rotary.inv_freq[pairs].astype(np.float64)
-    slowest = phases[order[0]] / freqs[order[0]]  # within half a turn of 0: a start near 0 may read negative
-    candidates = [slowest] if slowest >= 0 else [slowest, slowest + 2 * math.pi / freqs[order[0]]]
-    best, missed = 0, math.inf
-    for estimate in candidates:
-        for i in order[1:]:
-            turns = round((estimate * freqs[i] - phases[i]) / (2 * math.pi))
-            estimate = (phases[i] + 2 * math.pi * turns) / freqs[i]
-        start = max(int(round(estimate)), 0)
-        off = np.angle(np.exp(1j * (start * freqs[order] - phases[order])))
-        if (miss := float((strength[order] * np.abs(off)).sum())) < missed:
-            best, missed = start, miss
-    return best
+    strong = strength > 1e-3 * strength.max(axis=1, keepdims=True)
+    order = np.argsort(rotary.inv_freq[pairs], kind="stable")  # slowest first
+    phases, pages = np.angle(turned), np.arange(len(turned))
+    slowest = order[np.argmax(strong[:, order], axis=1)]  # each page's slowest strong pair
+    first = phases[pages, slowest] / freqs[slowest]  # within half a turn of 0: a start near 0 may read negative
+    best, missed = np.zeros(len(turned), np.int64), np.full(len(turned), np.inf)
+    for estimate, valid in ((first, np.ones(len(turned), bool)), (first + 2 * math.pi / freqs[slowest], first < 0)):
+        for i in order:
+            narrowed = (phases[:, i] + 2 * math.pi * np.round((estimate * freqs[i] - phases[:, i]) / (2 * math.pi))) / freqs[i]
+            estimate = np.where(strong[:, i] & (slowest != i), narrowed, estimate)
+        start = np.maximum(np.round(estimate), 0).astype(np.int64)
+        off = np.angle(np.exp(1j * (start[:, None] * freqs - phases)))
+        miss = np.where(strong, strength * np.abs(off), 0.0).sum(axis=1)
+        better = valid & (miss < missed)
+        best, missed = np.where(better, start, best), np.where(better, miss, missed)
+    return np.where(strong.any(axis=1), best, 0)

@@ -138,3 +138,24 @@ def test_turns_read_from_the_kept_table_are_the_bits_of_turns_computed_directly(
         assert np.array_equal(turned.view(np.uint32), rotary.turns(positions, pairs).view(np.uint32))
     kept = rotary._turn_tables[pairs.tobytes()]
     assert len(kept) == TURNS_KEPT  # grown to the largest position under the limit; 70000 and -1 turned directly
+
+
+def test_pages_decoded_at_once_start_where_each_decoded_alone_does():
+    """`decode_starts` of a batch: each page's start as `decode_start` gives it alone, whatever the
+    others hold (a start near 0, far out, a page whose slow pairs carry nothing, an all-zero page)."""
+    from audit.layouts.rotary import decode_starts
+
+    rng = np.random.default_rng(9)
+    rotary = rotary_of({"rope_parameters": {"rope_theta": 10000.0}}, 64)
+    pairs = rotary.probed_pairs
+    pages = []
+    for start in (0, 1, 48, 4096, 30000, 32):  # (within the slowest pair's turn: 47,000 positions)
+        pre = (rng.standard_normal((16, len(pairs))) + 1j * rng.standard_normal((16, len(pairs)))).astype(np.complex64)
+        first, second = rotate(pre.real, pre.imag, rotary.angles(start + np.arange(16), pairs))
+        pages.append(((first + 1j * second).astype(np.complex64), pre))
+    pages[5][0][:, :8] = 0  # (its slowest pairs silent: unwrapped from the fastest of those left)
+    pages.append((np.zeros((16, len(pairs)), np.complex64), pages[0][1]))
+    alone = [decode_start(observed, pre, rotary, pairs) for observed, pre in pages]
+    assert alone[:5] == [0, 1, 48, 4096, 30000] and alone[6] == 0
+    together = decode_starts(np.stack([o for o, _ in pages]), np.stack([p for _, p in pages]), rotary, pairs)
+    assert together.tolist() == alone
