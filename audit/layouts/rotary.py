@@ -33,7 +33,7 @@ class Rotary:
     max_position: int = 1 << 20  # positions a key may hold (max_position_embeddings, scaled)
     magnitude: float = 1.0
     variant: str = ""
-    _turn_tables: dict = field(default_factory=dict, compare=False, repr=False)  # pairs' bytes -> (positions, pairs)
+    _turn_tables: dict = field(default_factory=dict, compare=False, repr=False)  # pairs' bytes -> turns (positions, pairs)
 
     def columns(self, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """A head's two columns of each pair in `pairs`."""

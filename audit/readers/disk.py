@@ -81,7 +81,7 @@ def directory_owners(admin: AdminClient, index: OffloadIndex) -> dict[Path, Dire
     is: so the newest are asked. A split vote is in the holder's row (`DirectoryHolder`)."""
     asked = [directory for directory in index.directories if directory not in index.given]
     if not asked:
-        return index.given_owners()
+        return dict(index.given)
     sample: dict[str, Path] = {}
     taken: dict[Path, int] = {}
     prefix = stored_key(DEFAULT_TENANT, "")
@@ -101,7 +101,7 @@ def directory_owners(admin: AdminClient, index: OffloadIndex) -> dict[Path, Dire
     learnt = {directory: DirectoryHolder(endpoint, "learnt", count, taken[directory])
               for directory, counts in votes.items()
               for endpoint, count in counts.most_common(1) if 2 * count > taken[directory]}
-    return {**learnt, **index.given_owners()}
+    return {**learnt, **index.given}
 
 
 def holder_of(admin: AdminClient, index: OffloadIndex, copy: StoredValue) -> str | None:
@@ -486,7 +486,7 @@ class DiskCopies:
                   "unlike_memory": sum(row["xxh3"] != row["memory_xxh3"] for row in self.latent),
                   "superseded": sum("current_copy" in row for row in self.latent),
                   "named": sorted(self.latent, key=lambda row: (row["xxh3"] == row["memory_xxh3"], row["key"]))[:UNLISTED_NAMED]}
-        owners = self.index.owners if self.index.owners is not None else self.index.given_owners()
+        owners = self.index.owners if self.index.owners is not None else self.index.given
         holders = {str(directory): {"endpoint": holder.endpoint, "known": holder.known,
                                     **({"naming": holder.naming, "asked": holder.asked} if holder.known == "learnt" else {})}
                    for directory, holder in owners.items()}

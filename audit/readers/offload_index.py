@@ -57,9 +57,10 @@ class DirectoryHolder(NamedTuple):
     asked: int = 0
 
 
-def given_holders(directories: Iterable[Path | HeldDirectory]) -> dict[Path, str]:
+def given_holders(directories: Iterable[Path | HeldDirectory]) -> dict[Path, DirectoryHolder]:
     """The holder given with each directory that has one (`HeldDirectory`)."""
-    return {directory.path: directory.holder for directory in directories if isinstance(directory, HeldDirectory)}
+    return {directory.path: DirectoryHolder(directory.holder, "given")
+            for directory in directories if isinstance(directory, HeldDirectory)}
 
 
 def _offload_directories(directories: Iterable[Path]) -> list[Path]:
@@ -145,7 +146,7 @@ class OffloadIndex(dict[bytes, StoredValue]):
     nothing while the key is held elsewhere; one after the key left the store brings it back)."""
 
     def __init__(self, newest: dict[bytes, StoredValue], superseded: dict[bytes, list[StoredValue]],
-                 directories: list[Path], given: dict[Path, str] | None = None):
+                 directories: list[Path], given: dict[Path, DirectoryHolder] | None = None):
         super().__init__(newest)
         self.superseded = superseded
         self.directories = directories
@@ -166,10 +167,6 @@ class OffloadIndex(dict[bytes, StoredValue]):
                              value.path.parent)
             self._directory_of_file[value.path] = directory
         return directory
-
-    def given_owners(self) -> dict[Path, DirectoryHolder]:
-        """The holders given with the directories (`HeldDirectory`), as `owners` holds them."""
-        return {directory: DirectoryHolder(endpoint, "given") for directory, endpoint in self.given.items()}
 
     def owner_of(self, value: StoredValue) -> str | None:
         """The holder of the directory a copy lies in, as learnt (`owners`); None where not known."""

@@ -3,7 +3,7 @@ the holder an operator names for it, which the index then holds as given, never 
 
 from pathlib import Path
 
-from audit.readers.offload_index import HeldDirectory, index_directories, offload_directory
+from audit.readers.offload_index import DirectoryHolder, HeldDirectory, index_directories, offload_directory
 
 
 def test_a_directory_given_with_an_endpoint_names_its_holder_and_any_other_value_is_a_path(tmp_path):
@@ -16,5 +16,4 @@ def test_a_directory_given_with_an_endpoint_names_its_holder_and_any_other_value
     for text in (f"{tmp_path}=host", f"{tmp_path}=:80", f"{tmp_path}=h:80/x", "=h:80"):
         assert offload_directory(text) == Path(text), text
     index = index_directories([held, odd])
-    assert index.directories == [tmp_path, odd] and index.given == {tmp_path: "10.0.0.7:12345"}
-    assert index.given_owners()[tmp_path].known == "given"
+    assert index.directories == [tmp_path, odd] and index.given == {tmp_path: DirectoryHolder("10.0.0.7:12345", "given")}
