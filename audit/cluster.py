@@ -28,6 +28,7 @@ from audit.sources.listing import TIERS
 
 OFFLOAD_STAGING_BYTES = 64 << 20  # a holder's buffer for values on their way to and from its disk
 FILE_CAPACITY = "master_total_file_capacity_bytes"  # grows as each offloading holder mounts its disk
+MASTER_PORT_TRIES = 3  # fresh ports each try: a port probed free can be taken before the master binds it
 BACKENDS = {"bucket": "bucket_storage_backend", "file_per_key": "file_per_key_storage_backend"}  # SSD-tier formats
 
 
@@ -127,6 +128,31 @@ class LocalCluster:
         atexit.register(self.stop)  # a safety net: daemons never outlive the process that started them
         if self.log_dir is None:
             self.log_dir = Path(tempfile.mkdtemp(prefix="mooncake-cluster-"))
+        self._start_master(timeout_s)
+        for _ in range(self.holders):
+            self.add_holder(timeout_s)
+
+    def _start_master(self, timeout_s: float) -> None:
+        """The master, on fresh ports again where another process bound one of its ports between
+        `free_port`'s probe and the master's bind (a busy host's ephemeral ports: seen in CI)."""
+        for attempt in range(1, MASTER_PORT_TRIES + 1):
+            self.master = self._spawn(self._master_args(), "master")
+            try:
+                self._wait(lambda: _http_ok(f"{self.admin_url}/health") is not None, "master /health", timeout_s)
+                return
+            except ClusterError:
+                if attempt == MASTER_PORT_TRIES or not self._master_lost_a_port():
+                    raise
+            _terminate(self.master, signal.SIGTERM)
+            (self.log_dir / "master.log").rename(self.log_dir / f"master-lost-a-port-{attempt}.log")
+            self.metadata_port, self.rpc_port, self.admin_port = free_port(), free_port(), free_port()
+
+    def _master_lost_a_port(self) -> bool:
+        assert self.log_dir is not None
+        log = (self.log_dir / "master.log").read_bytes()
+        return b"Address already in use" in log or b"Failed to start HTTP metadata server" in log
+
+    def _master_args(self) -> list[str]:
         args = [
             _binary("mooncake_master"),
             "--enable_http_metadata_server=true",
@@ -148,15 +174,13 @@ class LocalCluster:
         if self.promote_after is not None:
             args += ["--promotion_on_hit=true", f"--promotion_admission_threshold={self.promote_after}"]
         if self.tenants:  # every tenant needs a policy, the default included: a put into one without fails
+            assert self.log_dir is not None
             quotas = self.log_dir / "tenant-quotas.yaml"
             quotas.write_text("version: 1\ntenants:\n" + "".join(
                 f"  - name: {name}\n    quota: 1GB\n" for name in ("default", *self.tenants)))
             args += ["--enable_multi_tenants=true", "--tenant_quota_connector_type=file",
                      f"--tenant_quota_connector_uri={quotas}"]
-        self.master = self._spawn(args, "master")
-        self._wait(lambda: _http_ok(f"{self.admin_url}/health") is not None, "master /health", timeout_s)
-        for _ in range(self.holders):
-            self.add_holder(timeout_s)
+        return args
 
     def add_holder(self, timeout_s: float = 30.0, offload: bool | None = None) -> Holder:
         """A holder more; `offload` (the cluster's `offload` unless given): whether it keeps an SSD
