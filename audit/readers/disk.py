@@ -224,7 +224,7 @@ class DiskReader:
     def confirm(self, records: Sequence[KeyRecord]) -> dict[str, Confirmation]:
         """Index the directories afresh, read the keys of `records` again, and say per key whether
         the second read saw the bytes the first one judged."""
-        self.index = index_directories(self.directories)
+        self.index = self.index.afresh()
         by_name = {record.key: record for record in records if record.xxh3 is not None}
         keys = [KeyInfo(name=record.key, size=record.size, replicas=_disk_rows(record)) for record in by_name.values()]
         confirmations: dict[str, Confirmation] = {}
@@ -316,11 +316,6 @@ class DiskCopies:
         self.compared = self.divergent = self.elsewhere = 0
         self.latent: list[dict] = []  # `unlisted_copy`'s rows
 
-    def _index_afresh(self) -> None:
-        """The directories indexed again, their holders as learnt kept (a directory is its holder's)."""
-        owners, self.index = self.index.owners, index_directories(self.directories)
-        self.index.owners = owners
-
     def compare(self, record: KeyRecord, key: KeyInfo) -> None:
         """Read `key`'s disk copy and judge it against `record` (the key as read from memory)."""
         if record.xxh3 is None:
@@ -339,7 +334,7 @@ class DiskCopies:
         `still_listed` says the key is held as it was read."""
         row = self._read(value)
         if row["status"] == "ok" and row["xxh3"] != f"{record.xxh3:016x}":
-            self._index_afresh()
+            self.index = self.index.afresh()
             value = located()
             row = self._read(value) if value is not None else None
             if row is None or not still_listed(row):
@@ -460,7 +455,7 @@ class DiskCopies:
         exists: another tenant's value is named (with its tenant) where the run's own look-ups found
         that tenant does not hold its key (`tenant_holds` False), passed over where they found it
         does (True), and counted where the run did not look (None)."""
-        self._index_afresh()
+        self.index = self.index.afresh()
         candidates: dict[str, list[StoredValue]] = {}
         gone: list[tuple[str | None, str, StoredValue]] = []
         other_tenants = 0

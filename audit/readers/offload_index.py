@@ -168,6 +168,13 @@ class OffloadIndex(dict[bytes, StoredValue]):
             self._directory_of_file[value.path] = directory
         return directory
 
+    def afresh(self) -> OffloadIndex:
+        """The same directories indexed again (buckets written and files gone since), each one's
+        holder as given or learnt kept: a directory stays its holder's."""
+        fresh = index_directories(self.directories)
+        fresh.given, fresh.owners = self.given, self.owners
+        return fresh
+
     def owner_of(self, value: StoredValue) -> str | None:
         """The holder of the directory a copy lies in, as learnt (`owners`); None where not known."""
         holder = (self.owners or {}).get(self.directory_of(value))

@@ -209,6 +209,11 @@ def test_the_disk_reader_reads_disk_only_keys_without_a_lease_or_a_promotion(pro
         (row,) = record.evidence["replicas"]
         assert (row["tier"], row["status"], row["size"]) == ("local_disk", "ok", VALUE_BYTES)
         assert row["file"].startswith(str(offload_dir))
+    learnt = reader.index.owners
+    assert learnt[offload_dir].endpoint == row["endpoint"] and learnt[offload_dir].known == "learnt"
+    zero = [records[name] for name in sorted(names & promoting.zero)]
+    assert {confirmation.status for confirmation in reader.confirm(zero).values()} == {"confirmed"}
+    assert reader.index.owners is learnt  # indexed afresh, the directory still its holder's: not asked again
 
     store = open_store(settings_for(cluster))
     try:
