@@ -16,6 +16,10 @@ records, a line each:
                 "kv_window"/"kv_digest" (the KV block's tokens, oldest first), and with a KV block
                 optionally "kv_start": int (its first token's position in the prompt; its K is
                 turned to it, `audit.layouts.rotary`)}
+               or {"v": 2, "hash": str, "supplied": true}: a window of the hash holds positions
+                whose layer-0 input was an embedding given to vLLM, not a token's (a multimodal
+                item's encoder output, prompt embeddings): its rows are no token's image, and
+                nothing is claimed of them (`supplied_line`)
 
 A version-1 line reads as a conv window; a version-1 reader reads a version-2 line's conv window
 and counts a line with only a KV window as malformed (passed over).
@@ -83,6 +87,12 @@ def prefix_line(chunk_hash: str, window: int | None, tokens: Sequence[int] | Non
     start = "" if kv_start is None else f',"kv_start":{int(kv_start)}'
     return (f'{{"v":2,"hash":"{chunk_hash}"{conv},"kv_window":{len(kv_tokens)},'
             f'"kv_digest":"{prefix_digest(kv_tokens)}"{start}}}')
+
+
+def supplied_line(chunk_hash: str) -> str:
+    """A record of `chunk_hash` whose windows hold positions of supplied embeddings (no digest:
+    what they hold is not a token)."""
+    return f'{{"v":2,"hash":"{chunk_hash}","supplied":true}}'
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,10 +169,12 @@ class PrefixRecords:
     """Chunk hash -> what its state's layer-0 tokens digest to (`digests`: conv windows; `blocks`:
     KV blocks' tokens; kept packed, `hash_key` and `_packed`), added a line at a time (the guards
     read the records being written; a scan's are `audit.prefixtable`'s); `conflicts`: hashes
-    recorded with two different digests (kept out: nothing is claimed of them)."""
+    recorded with two different digests (kept out: nothing is claimed of them); `supplied`: hashes
+    whose windows hold supplied embeddings (`supplied_line`), as `hash_key`s (values unused)."""
 
     digests: dict = field(default_factory=dict)
     blocks: dict = field(default_factory=dict)
+    supplied: dict = field(default_factory=dict)
     conflicts: set[str] = field(default_factory=set)
     records: int = 0
     skipped: int = 0  # malformed lines (a line being appended as the scan read included)
@@ -179,7 +191,16 @@ class PrefixRecords:
         table = self.blocks if region == KV else self.digests
         return [None if key is None else table.get(key) for key in keys]
 
-    def add(self, chunk_hash: str, entry: PrefixDigest | None, block: PrefixDigest | None = None) -> None:
+    def is_supplied(self, chunk_hash: str) -> bool:
+        """Whether the hash's windows hold supplied embeddings, as its producer recorded."""
+        return bool(self.supplied) and hash_key(chunk_hash) in self.supplied
+
+    def add(self, chunk_hash: str, entry: PrefixDigest | None, block: PrefixDigest | None = None,
+            supplied: bool = False) -> None:
+        if supplied:
+            self.records += 1
+            self.supplied[hash_key(chunk_hash)] = None
+            return
         self.add_packed(hash_key(chunk_hash), chunk_hash.lower(),
                         None if entry is None else _packed(entry), None if block is None else _packed(block))
 
@@ -197,7 +218,7 @@ class PrefixRecords:
 
     def trim(self, capacity: int) -> None:
         """Past `capacity` hashes in either table, its oldest half goes (a guard's records are read for a while)."""
-        for table in (self.digests, self.blocks):
+        for table in (self.digests, self.blocks, self.supplied):
             if len(table) > capacity:
                 for stale in list(itertools.islice(table, len(table) - capacity // 2)):
                     del table[stale]
@@ -229,19 +250,23 @@ def _window(record: dict, window: str, digest: str, start: str | None = None) ->
     return PrefixDigest(count, value, first)
 
 
-def parse_prefix_record(record: dict) -> tuple[str, PrefixDigest | None, PrefixDigest | None]:
-    """(hash, conv window, KV block) of a version-1 or version-2 line; a later version is malformed
-    (its fields may mean something else)."""
+def parse_prefix_record(record: dict) -> tuple[str, PrefixDigest | None, PrefixDigest | None, bool]:
+    """(hash, conv window, KV block, whether its windows hold supplied embeddings) of a version-1
+    or version-2 line; a later version is malformed (its fields may mean something else)."""
     chunk_hash, version = record.get("hash"), record.get("v", 1)
     if not isinstance(chunk_hash, str):
         raise Malformed("hash must be a string")
     if version not in (1, 2) or type(version) is not int:
         raise Malformed(f"prefix record version {version!r} is not one this audit reads (1, 2)")
+    if version == 2 and "supplied" in record:
+        if record["supplied"] is not True or {"window", "kv_window"} & record.keys():
+            raise Malformed("supplied must be true, in a line naming no window")
+        return chunk_hash, None, None, True
     conv = _window(record, "window", "digest")
     block = _window(record, "kv_window", "kv_digest", "kv_start") if version == 2 else None
     if conv is None and block is None:
         raise Malformed("a prefix record names a conv window, a KV block or both")
-    return chunk_hash, conv, block
+    return chunk_hash, conv, block, False
 
 
 # The recorder's own lines (`prefix_line`), read without a JSON parser: a million records a scan.

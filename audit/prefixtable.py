@@ -165,7 +165,7 @@ def _as_bytes(hashes: np.ndarray) -> np.ndarray:
 class PrefixTable:
     """The records of `read_prefix_records`: `HashTable`s by (region, hash length), and a
     `PrefixRecords` of the rest; `PrefixRecords`' reading interface (`get`, `packed`, `packed_many`,
-    `conflicts`, `records`, `skipped`, `len`)."""
+    `conflicts`, `supplied`, `is_supplied`, `records`, `skipped`, `len`)."""
 
     def __init__(self, collected: dict[tuple[str, int], _Collected], rest: PrefixRecords):
         for region, table in ((CONV, rest.digests), (KV, rest.blocks)):  # a JSON line's: every packed one in a table
@@ -192,6 +192,13 @@ class PrefixTable:
     @property
     def conflicts(self) -> set[str]:
         return self.rest.conflicts
+
+    @property
+    def supplied(self) -> dict:
+        return self.rest.supplied
+
+    def is_supplied(self, chunk_hash: str) -> bool:
+        return self.rest.is_supplied(chunk_hash)
 
     @property
     def records(self) -> int:

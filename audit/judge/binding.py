@@ -32,7 +32,7 @@ from audit.checks.binding import (
 )
 from audit.checks.floats import FLOAT_DTYPES, decode_floats
 from audit.judge.fingerprints import ProducerWeights
-from audit.judge.prefixes import check_prefixes
+from audit.judge.prefixes import check_prefixes, supplied_rows
 from audit.layouts import LayoutError
 from audit.layouts.checkpoint import Checkpoint
 from audit.layouts.weights import token_images
@@ -64,6 +64,7 @@ class Bindings:
     decoded: Counter = field(default_factory=Counter)
     prefix_checked: int = 0
     k_checked: int = 0  # attention pages whose layer-0 K was checked at its tokens' positions
+    supplied: Counter = field(default_factory=Counter)  # keys bound to no token, not flagged, by `supplied_rows`' why
     _images: dict = field(default_factory=dict, repr=False)
     _counting: threading.Lock = field(default_factory=threading.Lock, repr=False)  # batches are judged in threads
 
@@ -104,6 +105,8 @@ class Bindings:
         keys = {model: images.keys_not_bound for (model, _, _), images in self._images.items()
                 if model in bound and images.region == "v" and images.keys is None}
         positions = {"k_checked": self.k_checked, "k_not_bound": keys} if self.k_checked or keys else {}
+        if self.supplied:
+            extra["supplied_rows"] = {why: self.supplied[why] for why in ("recorded", "unrecorded")}
         return {"bound": sorted(bound), "not_bound": not_bound, "row_tolerance": ROW_TOLERANCE,
                 "keys_decoded": {model: self.decoded[model] for model in sorted(bound)}, **positions, **extra}
 
@@ -117,11 +120,13 @@ class Bindings:
         with self._counting:
             self.k_checked += checked
 
-    def count(self, decoded: Counter, prefix_checked: int) -> None:
-        """Add a batch's keys decoded (per model) and compared with their prefix records."""
+    def count(self, decoded: Counter, prefix_checked: int, supplied: Counter) -> None:
+        """Add a batch's keys decoded (per model), compared with their prefix records, and left
+        unflagged for rows that may be supplied embeddings (`supplied_rows`)."""
         with self._counting:
             self.decoded.update(decoded)
             self.prefix_checked += prefix_checked
+            self.supplied.update(supplied)
 
 
 def layer0_region(layout, kind: str | None = None):
@@ -178,6 +183,7 @@ def bind_values(records: list[KeyRecord], values: Values, readings: list, bindin
               and not (records[i].verdicts and _ALREADY_FLAGGED.intersection(records[i].verdicts))]
     tried: dict[int, list] = {}  # record index -> (images, tokens, distances), one per reading decoded
     decoded: Counter = Counter()  # keys decoded, per model
+    supplied: Counter = Counter()  # keys bound to no token and not flagged (`supplied_rows`)
     of_prefix: list[tuple] = []  # (images, records bound, their tokens), each compared with its prefix record
     keyed: dict[int, tuple] = {}  # id(images) -> (images, attention pages bound: their K checked as one batch)
     stacked, one_by_one = _stacked_rows(judged, records, values, readings, bindings)
@@ -217,8 +223,13 @@ def bind_values(records: list[KeyRecord], values: Values, readings: list, bindin
         bound = [(images, tokens, order) for images, tokens, distances, order, tolerance in outcomes
                  if (distances <= tolerance).all()]
         if not bound:
-            if _every_reading_decoded(records[i], readings[i]):
-                images, tokens, distances, _, tolerance = outcomes[0]
+            images, tokens, distances, _, tolerance = outcomes[0]
+            if not _every_reading_decoded(records[i], readings[i]):
+                continue
+            split = split_stem(records[i].key)
+            if (why := supplied_rows(split and split[1], images, bindings.prefixes)) is not None:
+                supplied[why] += 1
+            else:
                 _flag(records[i], tokens, distances, images, tolerance)
             continue
         images, tokens, where = bound[0]
@@ -235,7 +246,7 @@ def bind_values(records: list[KeyRecord], values: Values, readings: list, bindin
     decoded.update(tried[i][0][0].model for i in one_by_one if i in tried)
     checked = sum(check_prefixes(bound_records, tokens, images, bindings.prefixes)
                   for images, bound_records, tokens in of_prefix)
-    bindings.count(decoded, checked)
+    bindings.count(decoded, checked, supplied)
 
 
 def _stacked_rows(judged: list[int], records, values: Values, readings,

@@ -76,6 +76,20 @@ def encoded_prefix_matches(encoded: memoryview, expected: PrefixDigest | int, re
     return encoded_digest(encoded[first * TOKEN_BYTES:(first + size) * TOKEN_BYTES]) == wanted
 
 
+def supplied_rows(chunk_hash: str | None, images, prefixes: PrefixRecords | PrefixTable | None) -> str | None:
+    """Why a key's layer-0 rows that are no token's image under `images` are not a finding: they
+    may hold embeddings vLLM was given rather than tokens' (docs/binding.md). "recorded": its
+    producer recorded its windows as holding some (`supplied_line`); "unrecorded": its model takes
+    an encoder's embeddings (`TokenImages.encoder_inputs`) and no record names its tokens. None:
+    the rows are a finding."""
+    if chunk_hash is not None and prefixes is not None and prefixes.is_supplied(chunk_hash):
+        return "recorded"
+    if images.encoder_inputs and (chunk_hash is None or prefixes is None
+                                  or prefixes.packed(chunk_hash, record_region(images.region)) is None):
+        return "unrecorded"
+    return None
+
+
 def check_prefix(record: KeyRecord, tokens: np.ndarray, images, prefixes: PrefixRecords | PrefixTable) -> bool | None:
     """Flag `record` when its decoded layer-0 `tokens` (oldest first) do not digest to its chunk
     hash's record for its region (`images.region`). None: nothing to compare (no record, or

@@ -40,6 +40,20 @@ def model_type_of(config: dict) -> tuple[dict, str | None]:
     return text, text.get("model_type") or config.get("model_type")
 
 
+# Fields by which a config says that an encoder's embeddings, not only tokens', reach its text
+# model's layer 0 (a vision tower's, an audio encoder's), at the top or in an omni model's thinker
+ENCODER_FIELDS = ("vision_config", "audio_config", "speech_config", "vision_tower", "visual",
+                  "image_token_id", "image_token_index", "video_token_id", "audio_token_id", "audio_token_index")
+
+
+def encoder_inputs(config: dict) -> tuple[str, ...]:
+    """The fields of `config` (the whole file's) that say its model takes embeddings from an encoder
+    (images, audio) into the positions of its placeholder tokens; empty for a text model."""
+    thinker = config.get("thinker_config")
+    scopes = [config, thinker] if isinstance(thinker, dict) else [config]
+    return tuple(sorted({name for scope in scopes for name in ENCODER_FIELDS if scope.get(name) is not None}))
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """A config as the later steps read it, read once: the whole config (its own model type, its

@@ -90,6 +90,8 @@ class TokenImages:
     checkpoint: str = ""            # the checkpoint's identity (`Checkpoint.identity`): the probe's cache key
     keys: KeyImages | None = None   # attention's K before its rotation (`region` "v"), where its rule is known
     keys_not_bound: str = ""        # why K is not bound (an attention rule without `keys`)
+    encoder_inputs: tuple = ()      # the config's fields saying an encoder's embeddings reach layer 0
+    #                                 (`hf_config.encoder_inputs`): rows of those are no token's image
 
     def __post_init__(self):
         if self.post_norm is not None and (self.gate is not None or self.bias is not None):

@@ -11,6 +11,9 @@ The weights are those vLLM loaded (the manifest's ``model_path``); the token-ima
 vLLM never waits for it, and until it is ready nothing is bound (`status` says so). The scheduler
 writes a request's prefix records when it allocates it, before the worker loads or computes, so
 they are on disk when its values are checked; a key without one is judged on its weights alone.
+A value whose rows may hold embeddings its request was given (a multimodal item's, recorded by the
+scheduler; or any unrecorded one of a model that takes an encoder's) is not refused for binding to
+no token (`audit.judge.prefixes.supplied_rows`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import numpy as np
 
 from audit.checks.binding import BOUND_KV_DTYPES, ROUNDED_DTYPES, ROW_TOLERANCE, keys_fit, nearest_on_checked, placed_keys, row_tolerance
 from audit.checks.floats import decode_floats
-from audit.judge.prefixes import encoded_prefix_matches, prefix_matches
+from audit.judge.prefixes import encoded_prefix_matches, prefix_matches, supplied_rows
 from audit.layouts.manifest import segment_layer
 from audit.prefixrecords import (
     PREFIX_RECORD_PREFIX,
@@ -306,8 +309,9 @@ class StateBinder:
         keyed = []  # (index, its page, its tokens, its reading, its recorded start): attention pages bound by V
         for index, (tokens, encoded, bound, order) in decided.items():
             expected = records[index]
-            if not bound:
-                found[index] = WEIGHTS_MISMATCH
+            if not bound:  # (unless its rows may be embeddings its request was given: kept)
+                if supplied_rows(keys[index].rpartition("@")[2], images, self.prefixes) is None:
+                    found[index] = WEIGHTS_MISMATCH
             elif expected is not None and _other_prefix(encoded, tokens, expected, images.twins, region):
                 found[index] = PREFIX_MISMATCH
             elif index in pages:

@@ -8,7 +8,10 @@ Where layer 0 is attention, its KV block holds the V of the block's own tokens, 
 to the boundary (a partial tail block, keyed at a boundary inside its block, holds only those), so
 each hash names that window too, and the block's start (its K is turned to those positions). The store wrapper (`audit.recorder.wrapper`) sees only keys and addresses, hence this second hook.
 It runs when a request is allocated (its prompt's hashes) and as each step's connector metadata is
-built (the hashes its output added since), and writes each hash once per process.
+built (the hashes its output added since), and writes each hash once per process. A hash whose
+windows hold a position vLLM fed an embedding rather than a token (a multimodal item's placeholder,
+prompt embeddings: `supplied_positions`) is recorded as such (`supplied_line`), with no digest: its
+rows there are no token's image, and the scan and the guards claim nothing of them.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from audit.prefixrecords import prefix_line
+from audit.prefixrecords import prefix_line, supplied_line
 from audit.recorder.manifest import layer_index
 from audit.recorder.records import RecordWriter
 
@@ -51,6 +54,18 @@ def layer0_attention_block_size(kv_cache_config) -> int | None:
     return None
 
 
+def supplied_positions(request) -> list[tuple[int, int]]:
+    """The prompt positions (start, end) whose layer-0 input vLLM takes from an embedding, not a
+    token: each multimodal item's placeholder range (``mm_features[i].mm_position``; all of it,
+    where its ``is_embed`` mask may spare a few), and the whole prompt of a request given prompt
+    embeddings."""
+    ranges = [(int(feature.mm_position.offset), int(feature.mm_position.offset) + int(feature.mm_position.length))
+              for feature in getattr(request, "mm_features", None) or ()]
+    if getattr(request, "prompt_embeds", None) is not None:
+        ranges.append((0, int(request.num_prompt_tokens)))
+    return ranges
+
+
 class PrefixRecorder:
     """Writes the prefix records of the requests one scheduler sees: per hash, the last `window`
     tokens before its boundary (a conv state's), the tokens of its `kv_block_size` block up to the
@@ -63,8 +78,10 @@ class PrefixRecorder:
         self._seen: set[bytes] = set()
         self._done: dict[str, int] = {}  # request id -> how many of its hashes were recorded
 
-    def record(self, request_id: str, block_hashes: Sequence[bytes], tokens: Sequence[int]) -> None:
-        """The request's hashes not recorded yet."""
+    def record(self, request_id: str, block_hashes: Sequence[bytes], tokens: Sequence[int],
+               supplied: Sequence[tuple[int, int]] = ()) -> None:
+        """The request's hashes not recorded yet; `supplied`: its positions fed embeddings
+        (`supplied_positions`)."""
         start = self._done.get(request_id, 0)
         if start >= len(block_hashes):
             return
@@ -79,9 +96,13 @@ class PrefixRecorder:
             if (conv or kv_block) and raw not in self._seen:
                 self._seen.add(raw)
                 start = (boundary - 1) // kv_block * kv_block if kv_block else None
-                lines.append(prefix_line(
-                    raw.hex(), window if conv else None, tokens[boundary - window:boundary] if conv else None,
-                    tokens[start:boundary] if kv_block else None, start))
+                first = min(boundary - window if conv else boundary, boundary if start is None else start)
+                if any(begin < boundary and first < end for begin, end in supplied):
+                    lines.append(supplied_line(raw.hex()))
+                else:
+                    lines.append(prefix_line(
+                        raw.hex(), window if conv else None, tokens[boundary - window:boundary] if conv else None,
+                        tokens[start:boundary] if kv_block else None, start))
             self._done[request_id] = index + 1
         if len(self._seen) > SEEN_LIMIT:
             self._seen.clear()
@@ -117,7 +138,8 @@ def install_prefix_recorder(writer: RecordWriter) -> bool:
 
     def _record(recorder: PrefixRecorder, request) -> None:
         try:
-            recorder.record(request.request_id, request.block_hashes, request.all_token_ids)
+            recorder.record(request.request_id, request.block_hashes, request.all_token_ids,
+                            supplied_positions(request))
         except Exception as error:  # noqa: BLE001 (a record must never fail a request)
             logger.warning("mooncake-audit: prefix record of request %s not written (%s)",
                            getattr(request, "request_id", "?"), error)

@@ -56,6 +56,11 @@ def _binding_line(binding: dict) -> str:
     if compared:  # per manifest: its producer's checkpoint against the one given
         line += "; producers' checkpoints: " + ", ".join(f"{count} {status}" for status, count in
                                                          sorted(compared.items()))
+    supplied = binding.get("supplied_rows") or {}
+    if any(supplied.values()):  # no token's image, and not flagged: rows of embeddings given to vLLM?
+        line += (f"; not flagged, rows of no token that may be embeddings given to vLLM: {supplied['recorded']} "
+                 f"as their producers recorded, {supplied['unrecorded']} of a model taking an encoder's "
+                 f"embeddings with no record (give --block-tables)")
     return line
 
 

@@ -360,3 +360,45 @@ def test_a_batchs_conv_rows_are_gathered_as_slicing_each_value_would(device):
         assert np.array_equal(gathered(at, members), sliced(at, members))
     listed = Values.listed([host[:200], None, host[1000:1200]])
     assert np.array_equal(_gathered(listed, [0, 2], region), np.concatenate([host[40:136], host[1040:1136]]))
+
+
+def test_rows_that_may_be_embeddings_given_to_vllm_are_not_weights_mismatch(tmp_path):
+    """A multimodal item's placeholder positions hold its encoder's embeddings: no token's image. A
+    block whose producer recorded such rows (`supplied_line`) is not flagged; nor, for a model that
+    takes an encoder's embeddings (a LLaVA's ``image_token_index``), is a block with no record; a
+    text model's unrecorded block, and a block whose record names its tokens, still are."""
+    from audit.judge.binding import Bindings, Values, bind_values
+    from audit.judge.key import judge_read
+    from audit.prefixrecords import PrefixRecords, parse_prefix_record, prefix_line, supplied_line
+    from audit.records import KeyInfo
+    from tests.layouts.test_images import llama_checkpoint
+
+    ours = tmp_path / MODEL
+    llama_checkpoint(ours, np.random.default_rng(0), kv_heads=2)
+    layout = next(layout for layout in load_layouts(model_configs=[ours], kv_cache_dtype="float32", block_size=16,
+                                                    model_dtype="float32", tp_given=True) if layout.tp_size == 1)
+    rng = np.random.default_rng(5)
+    mine = token_images(ours, MODEL, 1, 0)
+    tokens = rng.integers(0, 32, 16)
+    v_rows = [mine.images(tokens), *(3 * rng.standard_normal((16, mine.columns)) for _ in range(3))]
+    layer1 = rng.standard_normal((2, 16, 8)).astype(np.float32)
+    values = [np.concatenate([_attention_page(rows, 2, rng).ravel(), layer1.ravel()]).view(np.uint8) for rows in v_rows]
+    hashes = [f"{i:064x}" for i in range(len(values))]  # healthy; recorded as supplied; no record; its tokens recorded
+    lines = [prefix_line(hashes[0], None, None, list(tokens)), supplied_line(hashes[1]),
+             prefix_line(hashes[3], None, None, list(tokens))]
+
+    def verdicts() -> tuple[list, dict]:
+        records = [judge_read(KeyInfo(vllm_key(MODEL, h), layout.size), layout.size, None) for h in hashes]
+        for record in records:
+            record.verdicts.clear()
+        bindings = Bindings.of([ours])
+        bindings.prefixes = PrefixRecords()
+        for line in lines:
+            bindings.prefixes.add(*parse_prefix_record(json.loads(line)))
+        bind_values(records, Values.listed(values), [(layout,)] * len(values), bindings)
+        return [record.verdicts for record in records], bindings.summary().get("supplied_rows")
+
+    assert verdicts() == ([[], [], ["WEIGHTS_MISMATCH"], ["WEIGHTS_MISMATCH"]], {"recorded": 1, "unrecorded": 0})
+    config = json.loads((ours / "config.json").read_text())
+    (ours / "config.json").write_text(json.dumps({**config, "image_token_index": 7}))
+    assert verdicts() == ([[], [], [], ["WEIGHTS_MISMATCH"]], {"recorded": 1, "unrecorded": 1})

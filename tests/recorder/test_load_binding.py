@@ -355,3 +355,33 @@ def test_the_guard_binds_attention_blocks_to_their_recorded_positions(tmp_path):
                              for value, ((_, start, filled, _), tokens) in enumerate(zip(cases, blocks))))
     assert guard.check(later, addrs, sizes, [0] * len(later)) == {1: "PREFIX_MISMATCH", 6: "PREFIX_MISMATCH",
                                                                  7: "WEIGHTS_MISMATCH"}
+
+
+def test_the_guard_keeps_blocks_whose_rows_may_be_embeddings_their_request_was_given(tmp_path):
+    """A multimodal item's placeholder positions hold its encoder's embeddings, no token's image:
+    a block the consumer's scheduler recorded as holding such rows (`supplied_line`) is kept, as is
+    one of a model taking an encoder's embeddings with no record; a text model's unrecorded block
+    of no token's image is still refused."""
+    import json
+
+    from audit.prefixrecords import supplied_line
+
+    ours, records, keys, pages = _attention_values(tmp_path)
+    addrs = [[pages[2 * v].ctypes.data, pages[2 * v + 1].ctypes.data] for v in range(len(keys))]
+    sizes = [[pages[2 * v].nbytes, pages[2 * v + 1].nbytes] for v in range(len(keys))]
+    embedded = keys[2].rpartition("@")[2]  # its V rows are no token's image under these weights
+    path = records / "prefixes-host-1-0000.jsonl"
+    others = "".join(line + "\n" for line in path.read_text().splitlines() if embedded not in line)
+
+    def refused(recorded: str) -> dict[int, str]:
+        path.write_text(recorded)
+        guard = LoadGuard(DenyList(records, RecordWriter(records, stem="denied")), StateBinder(records))
+        guard.describe(_attention_document(ours), {})
+        guard.binder.building.join(60)
+        return guard.check(keys, addrs, sizes, [0] * len(keys))
+
+    assert refused(others + supplied_line(embedded) + "\n") == {1: "PREFIX_MISMATCH"}
+    assert refused(others) == {1: "PREFIX_MISMATCH", 2: "WEIGHTS_MISMATCH"}
+    config = json.loads((ours / "config.json").read_text())
+    (ours / "config.json").write_text(json.dumps({**config, "image_token_index": 7}))  # a LLaVA's field
+    assert refused(others) == {1: "PREFIX_MISMATCH"}

@@ -61,6 +61,30 @@ def test_a_kv_block_names_its_own_tokens_up_to_each_boundary(tmp_path):
     assert records.get(_hash(9).hex(), "v") == PrefixDigest(4, prefix_digest(tokens[0:4]), 0)
 
 
+def test_a_hash_whose_windows_hold_supplied_embeddings_is_recorded_as_such_with_no_digest(tmp_path):
+    """A multimodal item's placeholder positions (its `mm_position`; a request shaped as vLLM's, not
+    one) are fed its encoder's embeddings: a hash whose conv window or KV block reaches one is
+    recorded as `supplied`, the others as before; a request given prompt embeddings, all its prompt."""
+    from audit.recorder.prefixes import supplied_positions
+
+    item = SimpleNamespace(mm_position=SimpleNamespace(offset=5, length=4))  # positions 5..8
+    request = SimpleNamespace(mm_features=[item], prompt_embeds=None, num_prompt_tokens=16)
+    assert supplied_positions(request) == [(5, 9)]
+    assert supplied_positions(SimpleNamespace(mm_features=[], prompt_embeds=object(), num_prompt_tokens=12)) == [(0, 12)]
+    tokens = list(range(100, 116))  # boundaries 4, 8, 12, 16
+    conv = PrefixRecorder(RecordWriter(tmp_path / "conv", stem="prefixes"), window=3, hash_block_size=4)
+    conv.record("a", [_hash(i) for i in range(1, 5)], tokens, supplied_positions(request))
+    kv = PrefixRecorder(RecordWriter(tmp_path / "kv", stem="prefixes"), window=None, hash_block_size=4, kv_block_size=8)
+    kv.record("b", [_hash(i) for i in range(11, 15)], tokens, supplied_positions(request))
+    records = read_prefix_records([tmp_path])
+    assert records.records == 8 and not records.skipped and not records.conflicts
+    # conv windows [1, 4), [5, 8), [9, 12), [13, 16): the second alone reaches positions 5..8
+    assert [records.is_supplied(_hash(i).hex()) for i in range(1, 5)] == [False, True, False, False]
+    assert records.get(_hash(1).hex()) == PrefixDigest(3, prefix_digest(tokens[1:4])) and records.get(_hash(2).hex()) is None
+    # KV blocks [0, 4), [0, 8), [8, 12), [8, 16): all but the first reach them
+    assert [records.is_supplied(_hash(i).hex()) for i in range(11, 15)] == [False, True, True, True]
+
+
 def test_records_are_versioned_and_a_version_1_line_still_reads(tmp_path):
     """Version 1 (a conv window, no "v") reads as before; a version-2 line with both windows keeps
     its conv fields where a version-1 reader looks; a version this audit does not know, or a line
@@ -73,7 +97,7 @@ def test_records_are_versioned_and_a_version_1_line_still_reads(tmp_path):
     two = json.loads(prefix_line("cd", 3, [1, 2, 3], [0, 1, 2, 3]))
     assert two["v"] == 2 and (two["window"], two["digest"]) == (3, prefix_digest([1, 2, 3]))
     assert parse_prefix_record(two) == ("cd", PrefixDigest(3, prefix_digest([1, 2, 3])),
-                                        PrefixDigest(4, prefix_digest([0, 1, 2, 3])))
+                                        PrefixDigest(4, prefix_digest([0, 1, 2, 3])), False)
     (tmp_path / "prefixes-h-1-0000.jsonl").write_text("\n".join([
         prefix_line("ab", 3, [1, 2, 3]), prefix_line("ef", None, None, [5, 6]),
         '{"v":3,"hash":"99","window":3,"digest":"x"}', '{"v":2,"hash":"98"}']) + "\n")
