@@ -2,7 +2,9 @@
 
 Used by `mooncake-audit demo`, the test fixtures and the benchmarks. Every process is started
 on 127.0.0.1 with free ports, and torn down by PID (also on exceptions and Ctrl-C, through the
-context manager); the embedded metadata server and admin port are asked to bind to loopback.
+context manager); the embedded metadata server and admin port are asked to bind to loopback. Its
+logs (and the holders' SSD tiers) go to `log_dir`, or to a temporary directory of its own, removed
+when the cluster stops unless it failed (its error names the directory).
 With `offload`, the holders also keep an SSD tier (Mooncake's bucket backend, or with `backend`
 its file-per-key one; eager: every put reaches the disk about a second later, or with
 `offload_on_evict` only when memory evicts it), so a test can have memory-only, disk-only and both.
@@ -97,6 +99,8 @@ class LocalCluster:
     admin_port: int = field(default_factory=free_port)
     master: subprocess.Popen | None = None
     running_holders: list[Holder] = field(default_factory=list)
+    _own_log_dir: bool = field(default=False, repr=False)  # made here: removed at stop, unless kept for a failure
+    _failed: bool = field(default=False, repr=False)
 
     @property
     def master_address(self) -> str:
@@ -127,7 +131,7 @@ class LocalCluster:
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
         atexit.register(self.stop)  # a safety net: daemons never outlive the process that started them
         if self.log_dir is None:
-            self.log_dir = Path(tempfile.mkdtemp(prefix="mooncake-cluster-"))
+            self.log_dir, self._own_log_dir = Path(tempfile.mkdtemp(prefix="mooncake-cluster-")), True
         self._start_master(timeout_s)
         for _ in range(self.holders):
             self.add_holder(timeout_s)
@@ -143,6 +147,7 @@ class LocalCluster:
             except ClusterError:
                 if attempt == MASTER_PORT_TRIES or not self._master_lost_a_port():
                     raise
+            self._failed = False  # (a port lost is not a failure: tried again)
             _terminate(self.master, signal.SIGTERM)
             (self.log_dir / "master.log").rename(self.log_dir / f"master-lost-a-port-{attempt}.log")
             self.metadata_port, self.rpc_port, self.admin_port = free_port(), free_port(), free_port()
@@ -265,7 +270,7 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         while (found := counted(tiers := self.tiers(names))) < count:
             if time.monotonic() > deadline:
-                raise ClusterError(f"{found} of {len(names)} keys {what} after {timeout_s} s, not {count}; "
+                raise self._failure(f"{found} of {len(names)} keys {what} after {timeout_s} s, not {count}; "
                                    f"logs in {self.log_dir}")
             time.sleep(0.1)
         return tiers
@@ -286,6 +291,9 @@ class LocalCluster:
         if self.master is not None:
             _terminate(self.master, signal.SIGTERM)
             self.master = None
+        if self._own_log_dir and not self._failed and self.log_dir is not None:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+            self._own_log_dir = False
 
     def _spawn(self, args: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         assert self.log_dir is not None
@@ -294,15 +302,20 @@ class LocalCluster:
         return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env)
 
+    def _failure(self, message: str) -> ClusterError:
+        """The error to raise; the logs it names are kept."""
+        self._failed = True
+        return ClusterError(message)
+
     def _wait(self, ready, what: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while not ready():
             for process in [self.master, *(h.process for h in self.running_holders)]:
                 if process is not None and process.poll() is not None:
-                    raise ClusterError(f"{Path(process.args[0]).name} exited ({process.returncode}) "
+                    raise self._failure(f"{Path(process.args[0]).name} exited ({process.returncode}) "
                                        f"while waiting for {what}; logs in {self.log_dir}")
             if time.monotonic() > deadline:
-                raise ClusterError(f"timed out waiting for {what}; logs in {self.log_dir}")
+                raise self._failure(f"timed out waiting for {what}; logs in {self.log_dir}")
             time.sleep(0.05)
 
 
