@@ -64,7 +64,7 @@ class Bindings:
     decoded: Counter = field(default_factory=Counter)
     prefix_checked: int = 0
     k_checked: int = 0  # attention pages whose layer-0 K was checked at its tokens' positions
-    supplied: Counter = field(default_factory=Counter)  # keys bound to no token, not flagged, by `supplied_rows`' why
+    supplied: Counter = field(default_factory=Counter)  # keys bound to no token, not flagged: (model, `supplied_rows`' why)
     _images: dict = field(default_factory=dict, repr=False)
     _counting: threading.Lock = field(default_factory=threading.Lock, repr=False)  # batches are judged in threads
 
@@ -106,9 +106,21 @@ class Bindings:
                 if model in bound and images.region == "v" and images.keys is None}
         positions = {"k_checked": self.k_checked, "k_not_bound": keys} if self.k_checked or keys else {}
         if self.supplied:
-            extra["supplied_rows"] = {why: self.supplied[why] for why in ("recorded", "unrecorded")}
+            extra["supplied_rows"] = self._supplied_summary(bound)
         return {"bound": sorted(bound), "not_bound": not_bound, "row_tolerance": ROW_TOLERANCE,
                 "keys_decoded": {model: self.decoded[model] for model in sorted(bound)}, **positions, **extra}
+
+    def _supplied_summary(self, bound: set[str]) -> dict:
+        """Keys left unflagged per why; and the models none of whose keys decoded bound to a token,
+        where some went unrecorded: the text of a multimodal model's prompts binds, so such a store
+        is of other weights unless every key read is of an image (or its records are missing)."""
+        whys = Counter()
+        for (_, why), keys in self.supplied.items():
+            whys[why] += keys
+        none_bound = sorted(model for model in bound if self.supplied[model, "unrecorded"]
+                            and self.supplied[model, "unrecorded"] + self.supplied[model, "recorded"] == self.decoded[model])
+        return {"recorded": whys["recorded"], "unrecorded": whys["unrecorded"],
+                **({"no_key_bound": none_bound} if none_bound else {})}
 
     def __getstate__(self) -> dict:  # (--ray: a task's plan is pickled; a lock cannot be)
         return {name: value for name, value in self.__dict__.items() if name != "_counting"}
@@ -183,7 +195,7 @@ def bind_values(records: list[KeyRecord], values: Values, readings: list, bindin
               and not (records[i].verdicts and _ALREADY_FLAGGED.intersection(records[i].verdicts))]
     tried: dict[int, list] = {}  # record index -> (images, tokens, distances), one per reading decoded
     decoded: Counter = Counter()  # keys decoded, per model
-    supplied: Counter = Counter()  # keys bound to no token and not flagged (`supplied_rows`)
+    supplied: Counter = Counter()  # keys bound to no token and not flagged: (model, `supplied_rows`' why)
     of_prefix: list[tuple] = []  # (images, records bound, their tokens), each compared with its prefix record
     keyed: dict[int, tuple] = {}  # id(images) -> (images, attention pages bound: their K checked as one batch)
     stacked, one_by_one = _stacked_rows(judged, records, values, readings, bindings)
@@ -228,7 +240,7 @@ def bind_values(records: list[KeyRecord], values: Values, readings: list, bindin
                 continue
             split = split_stem(records[i].key)
             if (why := supplied_rows(split and split[1], images, bindings.prefixes)) is not None:
-                supplied[why] += 1
+                supplied[images.model, why] += 1
             else:
                 _flag(records[i], tokens, distances, images, tolerance)
             continue

@@ -61,6 +61,9 @@ def _binding_line(binding: dict) -> str:
         line += (f"; not flagged, rows of no token that may be embeddings given to vLLM: {supplied['recorded']} "
                  f"as their producers recorded, {supplied['unrecorded']} of a model taking an encoder's "
                  f"embeddings with no record (give --block-tables)")
+    for model in supplied.get("no_key_bound") or ():
+        line += (f"; no key of {printable(model, 60)} bound to a token: of other weights, unless every key read "
+                 f"is of an image")
     return line
 
 

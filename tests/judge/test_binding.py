@@ -387,18 +387,20 @@ def test_rows_that_may_be_embeddings_given_to_vllm_are_not_weights_mismatch(tmp_
     lines = [prefix_line(hashes[0], None, None, list(tokens)), supplied_line(hashes[1]),
              prefix_line(hashes[3], None, None, list(tokens))]
 
-    def verdicts() -> tuple[list, dict]:
-        records = [judge_read(KeyInfo(vllm_key(MODEL, h), layout.size), layout.size, None) for h in hashes]
+    def verdicts(read=range(len(values))) -> tuple[list, dict]:
+        records = [judge_read(KeyInfo(vllm_key(MODEL, hashes[i]), layout.size), layout.size, None) for i in read]
         for record in records:
             record.verdicts.clear()
         bindings = Bindings.of([ours])
         bindings.prefixes = PrefixRecords()
         for line in lines:
             bindings.prefixes.add(*parse_prefix_record(json.loads(line)))
-        bind_values(records, Values.listed(values), [(layout,)] * len(values), bindings)
+        bind_values(records, Values.listed([values[i] for i in read]), [(layout,)] * len(records), bindings)
         return [record.verdicts for record in records], bindings.summary().get("supplied_rows")
 
     assert verdicts() == ([[], [], ["WEIGHTS_MISMATCH"], ["WEIGHTS_MISMATCH"]], {"recorded": 1, "unrecorded": 0})
     config = json.loads((ours / "config.json").read_text())
     (ours / "config.json").write_text(json.dumps({**config, "image_token_index": 7}))
     assert verdicts() == ([[], [], [], ["WEIGHTS_MISMATCH"]], {"recorded": 1, "unrecorded": 1})
+    # the unbound keys alone: none of the model's keys bound to a token, which the summary says
+    assert verdicts([1, 2]) == ([[], []], {"recorded": 1, "unrecorded": 1, "no_key_bound": [MODEL]})
