@@ -153,6 +153,10 @@ class OffloadIndex(dict[bytes, StoredValue]):
         self.given = given or {}  # the holders given with directories (`HeldDirectory`): never learnt
         self.owners: dict[Path, DirectoryHolder] | None = None  # each directory's, once learnt (`audit.readers.disk`)
         self._directory_of_file: dict[Path, Path] = {}
+        # a file's parent is its directory where it is one of them and none lies within another
+        # (a bucket's, as a rule): one set look-up instead of a pathlib walk over every directory
+        nested = any(a != b and b.is_relative_to(a) for a in directories for b in directories)
+        self._parents = {} if nested else {os.fspath(directory): directory for directory in directories}
 
     def copies(self, key: bytes) -> list[StoredValue]:
         """Every copy of `key` in the directories, newest first."""
@@ -163,8 +167,10 @@ class OffloadIndex(dict[bytes, StoredValue]):
         """The offload directory a copy lies in (a key file lies below its directory)."""
         directory = self._directory_of_file.get(value.path)
         if directory is None:
-            directory = next((directory for directory in self.directories if value.path.is_relative_to(directory)),
-                             value.path.parent)
+            directory = self._parents.get(os.path.dirname(value.path))
+            if directory is None:
+                directory = next((directory for directory in self.directories
+                                  if value.path.is_relative_to(directory)), value.path.parent)
             self._directory_of_file[value.path] = directory
         return directory
 
@@ -172,7 +178,7 @@ class OffloadIndex(dict[bytes, StoredValue]):
         """The same directories indexed again (buckets written and files gone since), each one's
         holder as given or learnt kept: a directory stays its holder's."""
         fresh = index_directories(self.directories)
-        fresh.given, fresh.owners = self.given, self.owners
+        fresh.given, fresh.owners, fresh._directory_of_file = self.given, self.owners, self._directory_of_file
         return fresh
 
     def owner_of(self, value: StoredValue) -> str | None:

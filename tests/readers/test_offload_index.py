@@ -17,3 +17,23 @@ def test_a_directory_given_with_an_endpoint_names_its_holder_and_any_other_value
         assert offload_directory(text) == Path(text), text
     index = index_directories([held, odd])
     assert index.directories == [tmp_path, odd] and index.given == {tmp_path: DirectoryHolder("10.0.0.7:12345", "given")}
+
+
+def test_a_copy_lies_in_the_first_directory_given_that_holds_it(tmp_path):
+    """A bucket's directory is its parent (one look-up); a key file below a directory is that
+    directory's; where one directory given lies within another, the first given that holds the file."""
+    from audit.readers.buckets import StoredValue
+    from audit.readers.offload_index import OffloadIndex
+
+    outer, inner, other = tmp_path / "outer", tmp_path / "outer" / "inner", tmp_path / "other"
+
+    def value(path: Path) -> StoredValue:
+        return StoredValue(path, 0, 1, b"\0k", b"\0k")
+
+    plain = OffloadIndex({}, {}, [other, inner])
+    assert plain.directory_of(value(inner / "1.bucket")) == inner
+    assert plain.directory_of(value(other / "ab" / "cd" / "key")) == other  # a file-per-key file, below its directory
+    assert plain.directory_of(value(tmp_path / "elsewhere" / "2.bucket")) == tmp_path / "elsewhere"
+    nested = OffloadIndex({}, {}, [outer, inner])
+    assert nested.directory_of(value(inner / "1.bucket")) == outer
+    assert OffloadIndex({}, {}, [inner, outer]).directory_of(value(inner / "1.bucket")) == inner
