@@ -40,8 +40,8 @@ def test_a_clusters_own_log_directory_is_kept_when_it_failed_and_removed_when_it
         taken.listen()
         failing = LocalCluster(holders=0, admin_port=taken.getsockname()[1])
         with pytest.raises(ClusterError, match="exited .* logs in "):
-            with failing:
-                pass
+            failing.start()
+        failing.stop()  # (as the context manager does after a failed start)
     try:
         assert (failing.log_dir / "master.log").is_file()
     finally:
