@@ -115,6 +115,10 @@ def _prepare() -> None:
     if root:  # another release's Python first; its CUDA build answers as its CPU platform
         sys.path.insert(0, root)
         os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+        # and a model-info cache of its own: written to the venv's, its entries made every engine of
+        # the venv's release miss once per class and inspect it again in a subprocess (8 s each)
+        cache = Path(os.environ.get("VLLM_CACHE_ROOT") or Path.home() / ".cache" / "vllm")
+        os.environ["VLLM_CACHE_ROOT"] = str(cache / "releases" / Path(root).name)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     logging.disable(logging.WARNING)
