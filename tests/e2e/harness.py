@@ -1,17 +1,23 @@
 """The real-vLLM harness: clusters, engines in subprocesses, scans through the CLI, records.
 
 Runs inside .venv-vllm (scripts/vllm-e2e.sh). Every vLLM engine runs in its own process
-(tests/e2e/producer.py), so one test's vLLM state (plugins, patched classes, threads) cannot leak
-into another's. The audit is run as an operator runs it: the CLI, in a subprocess.
+(tests/e2e/producer.py, forked from one that has imported vLLM and nothing else: `EngineForks`), so
+one test's vLLM state (plugins, patched classes, threads) cannot leak into another's. The audit is
+run as an operator runs it: the CLI, in a subprocess.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import re
+import select
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -148,17 +154,88 @@ def run_engine(model_dir: Path, config_path: Path | None, batches: list[list[lis
         else:
             env[variable] = value
     started = time.monotonic()
-    with open(log_path, "wb") as log:
-        process = subprocess.run([sys.executable, str(PRODUCER), str(spec_path)], cwd=work, env=env,
-                                 stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+    if env.get("PYTHONPATH") == _clean_env().get("PYTHONPATH") and not os.environ.get(OWN_PROCESS_ENV):
+        returncode = _forks().run(spec_path, work, env, log_path, timeout_s)
+    else:  # stand-in modules on its path: vLLM must import with them, in a process of its own
+        with open(log_path, "wb") as log:
+            returncode = subprocess.run([sys.executable, str(PRODUCER), str(spec_path)], cwd=work, env=env,
+                                        stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
     text = log_path.read_text(errors="replace")
-    if process.returncode != 0 or not out_path.exists():
+    if returncode != 0 or not out_path.exists():
         tail = "\n".join(text.splitlines()[-40:])
-        raise EngineFailed(f"vLLM engine for {model_dir.name} exited {process.returncode}; log {log_path}:\n{tail}")
+        raise EngineFailed(f"vLLM engine for {model_dir.name} exited {returncode}; log {log_path}:\n{tail}")
     result = json.loads(out_path.read_text())
     return EngineRun(model=model_dir.name, log_path=log_path, batches=result["batches"], seconds=result["seconds"], vllm=result.get("vllm", {}), pid=result.get("pid"),
                      wall_s=round(time.monotonic() - started, 1), log_lines=interesting_lines(text),
                      unsent=result.get("unsent_after_drain"), prompts=result.get("prompts") or batches)
+
+
+OWN_PROCESS_ENV = "MOONCAKE_AUDIT_E2E_ENGINE_PROCESS"  # set: every engine in a process of its own, as before
+
+
+class EngineForks:
+    """``producer.py --serve``: vLLM imported once, each engine a forked child of it (its docstring
+    says why that is the same engine). Started at the first engine; ends with the session."""
+
+    def __init__(self):
+        env = _clean_env()
+        env.update(VLLM_LOGGING_LEVEL="INFO")
+        self._pending = b""
+        self._stderr = tempfile.TemporaryFile()  # (its own: each engine's goes to that engine's log)
+        self.process = subprocess.Popen([sys.executable, str(PRODUCER), "--serve"], cwd=REPO, env=env, text=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
+        if self._answer(120.0) != "ready":
+            self._stderr.seek(0)
+            raise EngineFailed(f"producer.py --serve did not start (exit {self.process.poll()}; set {OWN_PROCESS_ENV}=1 "
+                               f"to start each engine afresh):\n{self._stderr.read()[-3000:].decode(errors='replace')}")
+
+    def run(self, spec_path: Path, work: Path, env: dict, log_path: Path, timeout_s: float) -> int:
+        """One engine; its exit status (negative: the signal that ended it). Past `timeout_s` its
+        process group is killed and subprocess.TimeoutExpired raised, as subprocess.run does."""
+        request = {"spec": str(spec_path), "cwd": str(work), "env": env, "log": str(log_path)}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        pid = int(self._answer(60.0).split()[1])
+        answer = self._answer(timeout_s)
+        if answer is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            self._answer(60.0)
+            raise subprocess.TimeoutExpired([str(PRODUCER), str(spec_path)], timeout_s)
+        return int(answer.split()[2])
+
+    def _answer(self, timeout_s: float) -> str | None:
+        """Its next line, or None after `timeout_s` (read from the pipe's descriptor: a buffered
+        reader could hold a line that `select` no longer sees)."""
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._pending:
+            ready, _, _ = select.select([self.process.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None
+            chunk = os.read(self.process.stdout.fileno(), 4096)
+            if not chunk:
+                raise EngineFailed(f"producer.py --serve exited ({self.process.wait()})")
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line.decode().strip()
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self._stderr.close()
+
+
+_FORKS: list[EngineForks] = []
+
+
+def _forks() -> EngineForks:
+    if not _FORKS or _FORKS[0].process.poll() is not None:
+        _FORKS[:] = [EngineForks()]
+        atexit.register(_FORKS[0].close)
+    return _FORKS[0]
 
 
 def make_model(out: Path, name: str, seed: int) -> Path:

@@ -1,7 +1,7 @@
 """One vLLM engine, run in its own process by the e2e tests: ``python tests/e2e/producer.py SPEC.json``.
 
 The parent (tests/e2e/harness.py) sets the environment (Mooncake config, recorder, shims, vLLM CPU
-settings) before starting it: vLLM reads most of it at import. SPEC is a JSON object:
+settings) before starting it: vLLM and its plugins read it as the engine starts. SPEC is a JSON object:
 
   model          the model directory (its basename is the model field of every key)
   batches        a list of batches, each a list of prompts (lists of token ids) or a sized batch
@@ -34,6 +34,16 @@ settings) before starting it: vLLM reads most of it at import. SPEC is a JSON ob
 
 The result: {"batches": [[{"tokens": [...], "cached_tokens": n}, ...], ...], "prompts": [[[...], ...], ...]
 (every batch's prompts, sized ones made), "seconds": {...}}.
+
+``python tests/e2e/producer.py --serve``: a process that imports vLLM once and forks one child per
+request, each child then a producer as above (its own working directory, environment, log and
+process group), so that each engine does not pay vLLM's import (6-7 s here) again. A request is one
+line of JSON on stdin, ``{"spec", "cwd", "env", "log"}``; the answers are ``pid N`` once the child
+runs and ``exit N RC`` once it has ended (RC negative: the signal that ended it). Nothing vLLM reads
+from the environment at import differs between engines (only its logging level, the same for all);
+what they set apart (the connector's config, the recorder, the guards, the multiprocessing switch,
+the shims) is read when the engine starts, in the child. The harness sends an engine whose
+``PYTHONPATH`` differs (stand-in modules) to a process of its own instead.
 """
 
 from __future__ import annotations
@@ -192,5 +202,58 @@ def describe(llm) -> dict:
     return info
 
 
+def serve() -> int:
+    """The ``--serve`` loop (see the module's docstring); returns when stdin closes. A child returns
+    from here by raising SystemExit with its producer's exit status: the interpreter then exits as a
+    producer run on its own does (atexit handlers, threads joined)."""
+    from vllm import LLM, SamplingParams  # noqa: F401  (what every child would import first)
+    from vllm.config import KVTransferConfig  # noqa: F401
+    from vllm.inputs import TokensPrompt  # noqa: F401
+
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _become_producer(request)
+        print(f"pid {pid}", flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(f"exit {pid} {os.waitstatus_to_exitcode(status)}", flush=True)
+    return 0
+
+
+def _become_producer(request: dict) -> None:
+    """In a forked child: the request's process group, directory, log, environment and arguments,
+    then `main` on its spec; never returns."""
+    os.setpgid(0, 0)  # the harness ends an engine that overruns by its group: its workers too
+    os.chdir(request["cwd"])
+    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(stdin, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.close(stdin)
+    sys.stdin = open(os.devnull)  # (the loop's stdin is the zygote's, not this engine's)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.argv = [__file__, request["spec"]]
+    code = 1
+    try:
+        code = main(request["spec"])
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    raise SystemExit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(serve() if sys.argv[1:] == ["--serve"] else main(sys.argv[1]))
