@@ -236,7 +236,7 @@ def _become_producer(request: dict) -> None:
     os.dup2(log, 2)
     os.close(log)
     os.close(stdin)
-    sys.stdin = open(os.devnull)  # (the loop's stdin is the zygote's, not this engine's)
+    sys.stdin = open(os.devnull)  # (the loop's stdin is the serving process's, not this engine's)
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = [__file__, request["spec"]]
@@ -244,7 +244,7 @@ def _become_producer(request: dict) -> None:
     try:
         code = main(request["spec"])
     except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else 1
+        code = 0 if done.code is None else done.code if isinstance(done.code, int) else 1
     except BaseException:
         import traceback
 
