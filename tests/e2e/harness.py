@@ -195,7 +195,10 @@ class EngineForks:
         request = {"spec": str(spec_path), "cwd": str(work), "env": env, "log": str(log_path)}
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
-        pid = int(self._answer(60.0).split()[1])
+        started = self._answer(60.0)
+        if started is None:
+            raise EngineFailed(f"producer.py --serve started no engine in 60 s (for {spec_path})")
+        pid = int(started.split()[1])
         answer = self._answer(timeout_s)
         if answer is None:
             with contextlib.suppress(ProcessLookupError):
