@@ -354,13 +354,14 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the consumer's KV memory is (cuda: the CUDA build of Mooncake, loads into HBM)")
     args = parser.parse_args()
-    record_dir = Path(tempfile.mkdtemp(prefix="load-guard-bench-"))
-    os.environ.setdefault("MOONCAKE_AUDIT_CACHE", str(record_dir / "cache"))
-    model = write_model(record_dir / MODEL, args.family)
-    with LocalCluster(holders=1, segment_mb=512) as cluster:
-        real = time_cluster(cluster, args.keys, args.loads, record_dir, model, args.family, args.device)
-        puts = time_puts(cluster, args.keys, args.loads, record_dir, model, args.family, args.device)
-    check = time_check(args.keys, args.loads * 10, record_dir, model, args.family, args.device)
+    with tempfile.TemporaryDirectory(prefix="load-guard-bench-") as scratch:  # (the model and records: 78 MB)
+        record_dir = Path(scratch)
+        os.environ.setdefault("MOONCAKE_AUDIT_CACHE", str(record_dir / "cache"))
+        model = write_model(record_dir / MODEL, args.family)
+        with LocalCluster(holders=1, segment_mb=512) as cluster:
+            real = time_cluster(cluster, args.keys, args.loads, record_dir, model, args.family, args.device)
+            puts = time_puts(cluster, args.keys, args.loads, record_dir, model, args.family, args.device)
+        check = time_check(args.keys, args.loads * 10, record_dir, model, args.family, args.device)
     print(f"{args.keys} keys of {LAYERS * PAGE >> 20} MiB per load ({LAYERS} pages of {PAGE >> 10} KiB); medians of "
           f"{args.loads} loads on the cluster, {args.loads * 10} checks in memory; microseconds per load")
     for name, value in real.items():
