@@ -154,7 +154,7 @@ def run_engine(model_dir: Path, config_path: Path | None, batches: list[list[lis
         else:
             env[variable] = value
     started = time.monotonic()
-    if env.get("PYTHONPATH") == _clean_env().get("PYTHONPATH") and not os.environ.get(OWN_PROCESS_ENV):
+    if env.get("PYTHONPATH") == os.environ.get("PYTHONPATH") and not os.environ.get(OWN_PROCESS_ENV):
         returncode = _forks().run(spec_path, work, env, log_path, timeout_s)
     else:  # stand-in modules on its path: vLLM must import with them, in a process of its own
         with open(log_path, "wb") as log:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -14,17 +13,10 @@ from tests.e2e import harness
 
 
 def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rpartition(")")[2].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
+    """The processes whose parent is `pid` (psutil: vLLM's own dependency, in the venv these tests run in)."""
+    import psutil
+
+    return [child.pid for child in psutil.Process(pid).children()]
 
 
 @pytest.fixture
