@@ -33,6 +33,7 @@ from audit.readers.confirm import Confirmation, KeyRead, confirmation_of
 from audit.readers.descriptors import Replica, query_answers, replicas_of
 from audit.readers.mapped import PAGE, MappedWindow, window_bytes
 from audit.readers.offload_index import DirectoryHolder, OffloadIndex, index_directories
+from audit.readers.readahead import ReadAhead, window_bytes as read_ahead_window
 from audit.readers.replicas import judge_disk_copy
 from audit.records import KeyInfo, KeyRecord, Verdict
 
@@ -144,17 +145,22 @@ def _disk_sizes(answer: dict | None) -> set[int] | None:
 
 class DiskReader:
     """Same interface as `audit.readers.PeekReader`, for the default tenant's disk-only keys whose
-    holder's offload directory (`MOONCAKE_OFFLOAD_FILE_STORAGE_PATH`, either backend) is on this host."""
+    holder's offload directory (`MOONCAKE_OFFLOAD_FILE_STORAGE_PATH`, either backend) is on this host.
+    The values to read are asked of the device ahead of the batch being mapped (`read_ahead`,
+    `audit.readers.readahead`), unless the reading is paced (`--max-bandwidth`)."""
 
     mode = "disk"
 
-    def __init__(self, admin: AdminClient, directories: Iterable[Path], buffer_bytes: int):
+    def __init__(self, admin: AdminClient, directories: Iterable[Path], buffer_bytes: int, read_ahead: bool = True):
         self.admin = admin
         self.directories = list(directories)
         self.index = index_directories(self.directories)
         self.capacity = max(buffer_bytes // 2, ALIGNMENT)
         standing = window_bytes([self.capacity]) + MAX_KEYS_PER_BATCH * 2 * PAGE
         self.windows = [MappedWindow(standing), MappedWindow(standing)]  # address space only: no page touched
+        self.read_ahead = read_ahead
+        self._ahead: ReadAhead | None = None
+        self._planned: dict[str, int] = {}  # key -> bytes of the read-ahead plan before its value
 
     def holds(self, key: KeyInfo) -> bool:
         """Whether `key` is disk-only and one of the directories stores it: this reader's to read."""
@@ -170,11 +176,29 @@ class DiskReader:
         return listed_copy(self.admin, self.index, stored_key(DEFAULT_TENANT, key.name), _disk_endpoints(key))
 
     def order(self, keys: Sequence[KeyInfo]) -> list[KeyInfo]:
-        """Keys by file and offset: a directory read front to back (keys not found first)."""
+        """Keys by file and offset: a directory read front to back (keys not found first), their
+        values asked of the device in that order from now on (`read_ahead`)."""
+        stored = {key.name: self._stored(key) for key in keys}
+
         def place(key: KeyInfo) -> tuple[str, int]:
-            value = self._stored(key)
+            value = stored[key.name]
             return ("", 0) if value is None else (str(value.path), value.offset)
-        return sorted(keys, key=place)
+        ordered = sorted(keys, key=place)
+        if self.read_ahead:
+            self._plan([(key.name, value) for key in ordered
+                        if (value := stored[key.name]) is not None and value.size == key.size])
+        return ordered
+
+    def _plan(self, values: list[tuple[str, StoredValue]]) -> None:
+        """The values (each a record: its stored key, then its bytes) asked for in this order."""
+        if self._ahead is not None:
+            self._ahead.close()
+        self._planned, position = {}, 0
+        for name, value in values:
+            self._planned[name] = position
+            position += len(value.head) + value.size
+        self._ahead = ReadAhead([(value.path, value.offset, len(value.head) + value.size) for _, value in values],
+                                read_ahead_window())
 
     def fetch(self, slots: list[Slot], turn: int) -> FetchedBatch:
         """The batch's values mapped from their files (`audit.readers.mapped`), each slot's offset
@@ -185,6 +209,8 @@ class DiskReader:
         else:
             window, one_off = self.windows[turn % 2], False
         window.clear()
+        if self._ahead is not None and slots and (position := self._planned.get(slots[0].key.name)) is not None:
+            self._ahead.reached(position)
         files: dict[Path, tuple[int, int]] = {}
         try:
             attempts = [self._map_one(slot, window, files) for slot in slots]
@@ -290,7 +316,10 @@ class DiskReader:
         return KeyRead(value.size, [row], digest)
 
     def close(self) -> None:
-        """The windows let their files go; files are opened per batch."""
+        """The read-ahead ended, the windows let their files go; files are opened per batch."""
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
         for window in self.windows:
             window.clear()
 

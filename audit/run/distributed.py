@@ -115,7 +115,7 @@ def _shard_readers(settings: Settings, admin: AdminClient, scan: str, keys: list
     them; the rest as the read mode says."""
     if options.read_mode == "peek" and options.offload_dirs and any(map(on_disk_only, keys)):
         on_disk, keys = [key for key in keys if on_disk_only(key)], [key for key in keys if not on_disk_only(key)]
-        disk = DiskReader(admin, options.offload_dirs, buffer_bytes(on_disk, options))
+        disk = DiskReader(admin, options.offload_dirs, buffer_bytes(on_disk, options), read_ahead=not options.max_bandwidth)
         held, elsewhere = disk.split(on_disk)
         yield held, disk
         if elsewhere:

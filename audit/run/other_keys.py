@@ -112,7 +112,8 @@ def read_other_keys(other: OtherKeys, clients: TenantClients, admin: AdminClient
             if stop.is_set() or not keys:
                 continue
             if tenant is None and options.read_mode == "peek" and options.offload_dirs:
-                disk = DiskReader(admin, options.offload_dirs, buffer_bytes(keys, options))
+                disk = DiskReader(admin, options.offload_dirs, buffer_bytes(keys, options),
+                                  read_ahead=not options.max_bandwidth)
                 on_disk, keys = disk.split(keys)
                 _read_group(on_disk, disk, disk.confirm, tenant, checker, options, stop, watch, evidence, emit)
             if keys and not stop.is_set():

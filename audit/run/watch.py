@@ -438,7 +438,10 @@ class Watcher:
         by_name = {key.name: key for key in keys}
         disk, on_disk, keys = self._disk_reading(admin, keys)
         if on_disk:
-            self._scan(on_disk, disk, stop, watch, records, read_at)
+            try:
+                self._scan(on_disk, disk, stop, watch, records, read_at)
+            finally:
+                disk.close()
         if keys and not stop.is_set():
             self._scan(keys, self._reader_for(admin, keys), stop, watch, records, read_at)
         if self.disk_copies is not None:
@@ -473,7 +476,8 @@ class Watcher:
         disk-only keys they hold, which it reads, and the rest."""
         if self.scan.read_mode != "peek" or not self.scan.offload_dirs:
             return None, [], keys
-        disk = DiskReader(admin, self.scan.offload_dirs, buffer_bytes(keys, self.scan))
+        disk = DiskReader(admin, self.scan.offload_dirs, buffer_bytes(keys, self.scan),
+                          read_ahead=not self.scan.max_bandwidth)
         return disk, *disk.split(keys)
 
     def _scan(self, keys: list[KeyInfo], base, stop: threading.Event, watch: MasterWatch,

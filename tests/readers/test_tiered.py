@@ -22,12 +22,15 @@ from audit.cluster import LocalCluster
 from audit.connection import AdminClient, open_store
 from audit.errors import AuditError
 from audit.readers.buffers import plan_batches
-from audit.readers.disk import DiskReader
+from audit.readers.buckets import stored_key
+from audit.readers.disk import DEFAULT_TENANT, DiskReader
+from audit.readers.readahead import calls
 from audit.records import Verdict
 from audit.run.scan import scan_keys
 from audit.sources.listing import AdminListing, KeyFilter, admin_readable
 from tests.conftest import settings_for
 from tests.helpers import by_key, run_cli, scan_json
+from tests.readers.willneed import WillNeedCalls
 
 VALUE_BYTES = 1 << 20
 SEGMENT_MB = 32
@@ -191,6 +194,32 @@ def test_check_in_peek_mode_reads_the_offload_directory_and_promotes_nothing(pro
         assert row["tier"] == "local_disk" and row["file"].startswith(str(offload_dir)), row
     time.sleep(3)  # a promotion lands within a heartbeat or two (1 s each)
     assert promoting.by_tiers() == before
+
+
+def test_the_disk_reader_asks_for_its_values_in_its_order_once_it_knows_it(promoting, monkeypatch):
+    """Read ahead (`audit.readers.readahead`): once the reader has put its keys in order, the kernel
+    is asked for their records in that order, file by file, front to back; a reader told not to
+    (`--max-bandwidth`) asks for none. Reads only: the fixture's keys stay as they were."""
+    admin = AdminClient(promoting.cluster.admin_url)
+    disk_only = [key for key in AdminListing(admin, KeyFilter("tiered/")).list().keys if not admin_readable(key)]
+    offload_dir = promoting.cluster.running_holders[0].offload_dir
+    asked = WillNeedCalls(monkeypatch)
+    paced = DiskReader(admin, [offload_dir], 8 << 20, read_ahead=False)
+    try:
+        paced.order(disk_only)
+    finally:
+        paced.close()
+    assert asked.calls == []
+    reader = DiskReader(admin, [offload_dir], 8 << 20)
+    try:
+        values = [reader.index[stored_key(DEFAULT_TENANT, key.name)] for key in reader.order(disk_only)]
+        expected = [(str(path), offset, length) for path, offset, length in
+                    calls([(os.path.realpath(value.path), value.offset, len(value.head) + value.size) for value in values])]
+        assert len(values) == len(disk_only) >= 2
+        assert [value.path for value in values] == sorted(value.path for value in values)
+        assert asked.settled(len(expected)) == expected
+    finally:
+        reader.close()
 
 
 def test_the_disk_reader_reads_disk_only_keys_without_a_lease_or_a_promotion(promoting):
