@@ -3,7 +3,7 @@ on a store whose keys are all disk-only, against `cat` reading the same bucket f
 host, run in turn (A B, B A, ...), each timed from spawn to reaped exit.
 
     python -m benchmarks.disk_tier [--keys 1024] [--value-kib 1024] [--bucket-keys 1] [--runs 5]
-                                   [--cold] [--segment-mb N]
+                                   [--cold] [--segment-mb N] [--both-tiers]
 
 The store: one `LocalCluster` holder offloading eagerly (bucket backend, `--bucket-keys` per bucket),
 `--keys` values put (one in 50 all zero) and waited for on disk; then the holder restarts, and at
@@ -13,6 +13,10 @@ stored keys too); the ratio is check's rate over cat's, pair by pair, and its me
 page cache holds the files for both (the warm-up reads them), so this is the read path's cost, not
 the SSD's. Every `check` report is verified: every key read from its bucket file, exactly the zero
 values flagged.
+
+`--both-tiers` keeps every key in memory too (no restart): `check` then reads memory (peek) and reads
+and compares every key's disk copy from its bucket file, and a third arm, the same `check` without
+`--offload-dir`, reads memory alone; the disk copies' cost is the difference between the two.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ NO_SPACE = -200
 PART_BYTES = 32 << 20  # put between waits for the disk: faster, the holder's 64 MiB staging buffer drops offloads
 
 
-def build_store(cluster: LocalCluster, keys: int, value_bytes: int, bucket_keys: int = 1) -> set[str]:
+def build_store(cluster: LocalCluster, keys: int, value_bytes: int, bucket_keys: int = 1,
+                both_tiers: bool = False) -> set[str]:
     """`keys` values put on the holder, a part at a time, each part waited for on disk (put back to
     back, 1,024 values of 1 MiB left 825 MB on disk and the rest never offloaded), then the holder
     restarted: every key disk-only. The zero keys' names.
@@ -75,11 +80,13 @@ def build_store(cluster: LocalCluster, keys: int, value_bytes: int, bucket_keys:
             cluster.wait_held(names, "local_disk", timeout_s=60)
     finally:
         store.close()
-    cluster.restart_holder(cluster.running_holders[0], timeout_s=120)
+    expected = {"memory", "local_disk"} if both_tiers else {"local_disk"}
+    if not both_tiers:
+        cluster.restart_holder(cluster.running_holders[0], timeout_s=120)
     cluster.wait_held(names, "local_disk", timeout_s=120)
     tiers = cluster.tiers(names)
-    if tiers != {name: {"local_disk"} for name in names}:
-        raise RuntimeError(f"{sum(held != {'local_disk'} for held in tiers.values())} keys not disk-only")
+    if tiers != {name: expected for name in names}:
+        raise RuntimeError(f"{sum(held != expected for held in tiers.values())} keys not in {sorted(expected)}")
     return zero
 
 
@@ -109,13 +116,18 @@ def dropped_from_cache(paths: list[str]) -> int:
     return sum(int(size) for size in resident)
 
 
-def verified(report: Path, keys: int, zero: set[str], offload_dir: Path) -> None:
-    """The check read every key from its bucket file and flagged exactly the zero values."""
+def verified(report: Path, keys: int, zero: set[str], offload_dir: Path | None, both_tiers: bool = False) -> None:
+    """The check read every key from its bucket file (both tiers: every key's disk copy compared, or
+    with no `offload_dir` none) and flagged exactly the zero values."""
     document = json.loads(report.read_text())
     summary = document["summary"]
     flagged = {record["key"] for record in document["findings"]}
-    from_files = all(row["file"].startswith(str(offload_dir)) for record in document["keys"]
-                     for row in record["evidence"]["replicas"])
+    if both_tiers:
+        compared = summary.get("offload", {}).get("disk_copies_compared", 0)
+        from_files = compared == (keys if offload_dir is not None else 0)
+    else:
+        from_files = all(row["file"].startswith(str(offload_dir)) for record in document["keys"]
+                         for row in record["evidence"]["replicas"])
     if summary["keys_scanned"] != keys or flagged != zero or summary["verdicts"] != {"ZERO_VALUE": len(zero)} \
             or not from_files:
         raise RuntimeError(f"check's report is not the store's: {summary['keys_scanned']} keys, {len(flagged)} flagged")
@@ -133,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the holder's segment (default: twice the store); smaller builds a store larger than memory")
     parser.add_argument("--before", action="store_true",
                         help="also run HEAD's check (exported with git archive) in turn on the same store")
+    parser.add_argument("--both-tiers", action="store_true",
+                        help="keep every key in memory too: check compares each disk copy (and a memory-only arm)")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--output", type=Path, help="also write the results here (JSON)")
@@ -143,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             LocalCluster(holders=1, segment_mb=segment_mb, offload=True, bucket_keys=args.bucket_keys,
                          client_ttl_s=3, log_dir=Path(scratch)) as cluster:
         started = time.perf_counter()
-        zero = build_store(cluster, args.keys, value_bytes, args.bucket_keys)
+        zero = build_store(cluster, args.keys, value_bytes, args.bucket_keys, args.both_tiers)
         print(f"store: {args.keys} disk-only keys of {args.value_kib} KiB in {time.perf_counter() - started:.0f} s",
               file=sys.stderr)
         offload_dir = cluster.running_holders[0].offload_dir
@@ -154,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
                  "--prefix", PREFIX, "--read-mode", "peek", "--offload-dir", str(offload_dir), "--all",
                  "--format", "json", "--output", str(report), "--no-progress", "--verbose"]
         arms = {"check": (check, ROOT), "cat": (["cat", *buckets], ROOT)}
+        if args.both_tiers:
+            at = check.index("--offload-dir")
+            arms["check, memory only"] = (check[:at] + check[at + 2:], ROOT)
         if args.before:
             arms["check, before"] = (check, checkout_before(None, Path(scratch)))
         env = child_env()
@@ -168,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                     resident.append(dropped_from_cache(buckets))
                 result = run(command, env, cwd)
                 if name.startswith("check"):
-                    verified(report, args.keys, zero, offload_dir)
+                    verified(report, args.keys, zero, None if name == "check, memory only" else offload_dir,
+                             args.both_tiers)
                 if name == "check":
                     phases = result["stderr"]
                 if turn >= args.warmup:
@@ -184,6 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.before:
         before = [old / cat for old, cat in zip(rates["check, before"], rates["cat"])]
         print(f"HEAD's check / cat: median {statistics.median(before):.3f} (min {min(before):.3f}, max {max(before):.3f})")
+    if args.both_tiers:
+        costs = [with_disk - memory for with_disk, memory in zip(walls["check"], walls["check, memory only"])]
+        compared = [(value_total / cost) / (bucket_bytes / cat) if cost > 0 else float("inf")
+                    for cost, cat in zip(costs, walls["cat"])]
+        print(f"the disk copies' cost (check - memory only), pair by pair: median {statistics.median(costs):.3f} s; "
+              f"its read rate / cat's: median {statistics.median(compared):.3f} "
+              f"(min {min(compared):.3f}, max {max(compared):.3f})")
     if args.cold:
         print(f"bucket bytes left in the page cache before a process: at most {max(resident)} of {bucket_bytes}")
     print("check --verbose, last run:\n" + "\n".join(line for line in phases.splitlines() if "s " in line or ":" in line))
