@@ -9,6 +9,7 @@ same config.json without it (no binding), interleaved, in one run.
     python -m benchmarks.binding --geometry small --keys 1000000 --runs 2 --no-fresh-probe  # a million keys
     python -m benchmarks.binding --device cuda --before DIR  # on a GPU host, and DIR's scan beside it
     python -m benchmarks.binding --family llama --keys 1000  # an attention store: V and K bound
+    python -m benchmarks.binding --family llama --geometry small --keys 1000000 --runs 2 --no-fresh-probe
 
 `--geometry small` is the same vocabulary and layer-0 rule on a one-layer Mamba2 of hidden 32 (values of
 a few hundred bytes), so that a million keys fit this machine: binding's per-key cost against a scan's.
@@ -23,7 +24,8 @@ images of three random tokens rounded to bfloat16, every other byte a plausible 
 (`benchmarks.paired.run`), in turn A B C D, D C B A, ...; every run's report is checked (no finding, and
 the summary's binding says the model was bound, or is absent).
 
-`--family llama` is an attention store instead: `benchmarks.load_guard`'s Llama (16 layers, 8 KV heads of
+`--family llama` is an attention store instead (with `--geometry small`, the same Llama cut to one layer
+and one KV head, 8 KiB a key, so that a million keys fit this machine): `benchmarks.load_guard`'s Llama (16 layers, 8 KV heads of
 64, hidden 512, a 32,000-token vocabulary, random float32 weights with ``k_proj``), each key a block of
 16 tokens as vLLM's CPU backend publishes it at TP 1 (16 float32 pages of 64 KiB, 1 MiB): layer 0's V the
 images of 16 random tokens, its first KV head's K their K at the block's start, every other byte a
@@ -49,6 +51,7 @@ import numpy as np
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 from benchmarks.common import machine, state_like, text_table  # noqa: E402
+from benchmarks.load_guard import LLAMA  # noqa: E402
 from benchmarks.paired import run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +64,7 @@ GEOMETRIES = {"130m": CONFIG, "small": {**CONFIG, "hidden_size": 32, "state_size
 FLAGS = {"mamba2": ["--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "bfloat16"],
          "llama": ["--dtype", "float32", "--block-size", "16"]}
 ATTENTION_NAME = "llama-bench"
+ATTENTION_GEOMETRIES = {"130m": LLAMA, "small": {**LLAMA, "num_hidden_layers": 1, "num_key_value_heads": 1}}
 PUT_BATCH = 1000  # keys put at once (as benchmarks.scale does: 4,096 at once failed with TRANSFER_FAIL)
 
 
@@ -83,14 +87,15 @@ def model_dirs(root: Path, config: dict) -> tuple[Path, Path]:
     return bound, unbound
 
 
-def attention_model_dirs(root: Path) -> tuple[Path, Path]:
-    """`benchmarks.load_guard`'s Llama with its checkpoint (V and K at layer 0), and its config.json alone."""
-    from benchmarks.load_guard import LLAMA, write_model
+def attention_model_dirs(root: Path, config: dict) -> tuple[Path, Path]:
+    """`benchmarks.load_guard`'s Llama of `config` with its checkpoint (V and K at layer 0), and its
+    config.json alone."""
+    from benchmarks.load_guard import write_model
 
     bound, unbound = root / "bound" / ATTENTION_NAME, root / "unbound" / ATTENTION_NAME
-    write_model(bound, "llama")
+    write_model(bound, "llama", config)
     unbound.mkdir(parents=True)
-    (unbound / "config.json").write_text(json.dumps(LLAMA))
+    (unbound / "config.json").write_text(json.dumps(config))
     return bound, unbound
 
 
@@ -157,20 +162,28 @@ def publish(cluster, bound: Path, keys: int, records: Path) -> int:
     return layout.size
 
 
-def publish_attention(cluster, bound: Path, keys: int, records: Path) -> int:
-    """`keys` blocks of 16 random tokens at random block starts, each 16 float32 pages as vLLM's CPU
-    backend publishes them (layer 0's V their images, its first head's K their K at the start); each
-    key's hash, tokens and start written to `records` as a producer's prefix records."""
+def attention_size(config: dict) -> tuple[int, int]:
+    """A key's float32 page a layer (KV heads x (K|V) x 16 tokens x head) and the key's size."""
+    from benchmarks.load_guard import BLOCK_TOKENS
+
+    page = config["num_key_value_heads"] * 2 * BLOCK_TOKENS * config["head_dim"] * 4
+    return page, config["num_hidden_layers"] * page
+
+
+def publish_attention(cluster, bound: Path, keys: int, records: Path, config: dict) -> int:
+    """`keys` blocks of 16 random tokens at random block starts, each a float32 page a layer as vLLM's
+    CPU backend publishes them (layer 0's V their images, its first head's K their K at the start);
+    each key's hash, tokens and start written to `records` as a producer's prefix records."""
     from audit.layouts.weights import token_images
     from audit.prefixrecords import prefix_line
     from audit.producers.vllm import vllm_key
-    from benchmarks.load_guard import BLOCK_TOKENS, HEAD, KV_HEADS, LAYERS, PAGE, turned_keys
+    from benchmarks.load_guard import BLOCK_TOKENS, turned_keys
 
-    size = LAYERS * PAGE
+    (page_bytes, size), kv_heads, head = attention_size(config), config["num_key_value_heads"], config["head_dim"]
     images = token_images(bound, ATTENTION_NAME, 1, 0)
     rng = np.random.default_rng(41)
     records.mkdir(parents=True, exist_ok=True)
-    batch = 64  # 64 MiB
+    batch = max(1, min(PUT_BATCH, (64 << 20) // size))  # at most 64 MiB
     with _put_buffer(cluster, batch, size) as (store, buffer), \
             (records / "prefixes-bench-0-0000.jsonl").open("w") as lines:
         for first in range(0, keys, batch):
@@ -180,9 +193,9 @@ def publish_attention(cluster, bound: Path, keys: int, records: Path) -> int:
             for slot, chunk_hash in enumerate(hashes):
                 tokens = rng.integers(0, images.vocab_size, BLOCK_TOKENS).tolist()
                 start = BLOCK_TOKENS * int(rng.integers(0, 256))
-                page = buffer[slot, :PAGE].view(np.float32).reshape(KV_HEADS, 2, BLOCK_TOKENS, HEAD)
-                page[:, 1] = images.images(tokens).reshape(BLOCK_TOKENS, KV_HEADS, HEAD).transpose(1, 0, 2)
-                page[0, 0] = np.ascontiguousarray(turned_keys(images, tokens, start).T).reshape(BLOCK_TOKENS, HEAD)
+                page = buffer[slot, :page_bytes].view(np.float32).reshape(kv_heads, 2, BLOCK_TOKENS, head)
+                page[:, 1] = images.images(tokens).reshape(BLOCK_TOKENS, kv_heads, head).transpose(1, 0, 2)
+                page[0, 0] = np.ascontiguousarray(turned_keys(images, tokens, start).T).reshape(BLOCK_TOKENS, head)
                 lines.write(prefix_line(chunk_hash, None, None, tokens, start) + "\n")
             _put(store, buffer, [vllm_key(ATTENTION_NAME, digest) for digest in hashes])
     return size
@@ -192,7 +205,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", type=int, default=160)
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--geometry", choices=GEOMETRIES, default="130m", help="the Mamba2's")
+    parser.add_argument("--geometry", choices=GEOMETRIES, default="130m",
+                        help="the Mamba2's; with --family llama, small is one layer of one KV head")
     parser.add_argument("--family", choices=FLAGS, default="mamba2", help="a Mamba2 store, or a Llama's attention blocks")
     parser.add_argument("--fresh-probe", action=argparse.BooleanOptionalAction, default=True,
                         help="also time a scan that builds the probe afresh")
@@ -204,8 +218,9 @@ def main() -> int:
     attention = args.family == "llama"
     with tempfile.TemporaryDirectory(prefix="bench-binding-") as scratch:
         if attention:
-            (bound, unbound), name = attention_model_dirs(Path(scratch)), ATTENTION_NAME
-            value_size = 1 << 20
+            config = ATTENTION_GEOMETRIES[args.geometry]
+            (bound, unbound), name = attention_model_dirs(Path(scratch), config), ATTENTION_NAME
+            value_size = attention_size(config)[1]
         else:
             (bound, unbound), name = model_dirs(Path(scratch), GEOMETRIES[args.geometry]), NAME
             from audit.judge.plan import load_layouts
@@ -216,7 +231,8 @@ def main() -> int:
         with LocalCluster(holders=1, segment_mb=segment_mb) as cluster:
             records = Path(scratch) / "records"
             started = time.perf_counter()
-            size = (publish_attention if attention else publish)(cluster, bound, args.keys, records)
+            size = (publish_attention(cluster, bound, args.keys, records, config) if attention
+                    else publish(cluster, bound, args.keys, records))
             print(f"published {args.keys:,} keys of {size:,} B in {time.perf_counter() - started:.0f} s",
                   file=sys.stderr)
             env, inherited = dict(os.environ), os.environ.get("PYTHONPATH")  # (a GPU host's bundle: its Mooncake)

@@ -86,22 +86,21 @@ def manifest(model_path: Path | None = None, family: str = "mamba2") -> dict:
     return document
 
 
-def write_model(directory: Path, family: str = "mamba2") -> Path:
-    """The checkpoint whose layer-0 images the bound guard checks against (random weights)."""
+def write_model(directory: Path, family: str = "mamba2", llama: dict = LLAMA) -> Path:
+    """The checkpoint whose layer-0 images the bound guard checks against (random weights); `llama`:
+    the Llama's config, where another geometry is wanted (`benchmarks.binding --geometry small`)."""
     from tests.helpers import write_safetensors
 
     directory.mkdir(parents=True, exist_ok=True)
     if family == "llama":
-        (directory / "config.json").write_text(json.dumps(LLAMA))
+        (directory / "config.json").write_text(json.dumps(llama))
         rng = np.random.default_rng(40)
-        hidden = LLAMA["hidden_size"]
+        hidden, width = llama["hidden_size"], llama["num_key_value_heads"] * llama["head_dim"]
         write_safetensors(directory / "model.safetensors", {
-            "model.embed_tokens.weight": rng.standard_normal((LLAMA["vocab_size"], hidden), dtype=np.float32) * 0.02,
+            "model.embed_tokens.weight": rng.standard_normal((llama["vocab_size"], hidden), dtype=np.float32) * 0.02,
             "model.layers.0.input_layernorm.weight": 1 + 0.1 * rng.standard_normal(hidden, dtype=np.float32),
-            "model.layers.0.self_attn.v_proj.weight": rng.standard_normal((KV_HEADS * HEAD, hidden),
-                                                                          dtype=np.float32) * 0.03,
-            "model.layers.0.self_attn.k_proj.weight": rng.standard_normal((KV_HEADS * HEAD, hidden),
-                                                                          dtype=np.float32) * 0.03})
+            "model.layers.0.self_attn.v_proj.weight": rng.standard_normal((width, hidden), dtype=np.float32) * 0.03,
+            "model.layers.0.self_attn.k_proj.weight": rng.standard_normal((width, hidden), dtype=np.float32) * 0.03})
         return directory
     (directory / "config.json").write_text(json.dumps(CONFIG))
     rng = np.random.default_rng(40)
