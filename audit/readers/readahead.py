@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterable
+from contextlib import suppress
 from pathlib import Path
 
 CALL_BYTES = 8 << 20  # the kernel reads at most the device's read-ahead (here 8 MiB) a WILLNEED
@@ -80,10 +81,8 @@ class ReadAhead:
                     except OSError:  # gone since it was indexed: the reader says so
                         opened = None
                 if opened is not None:
-                    try:
+                    with suppress(OSError):  # only a hint: the reader reads it all the same
                         os.posix_fadvise(opened[1], offset, length, os.POSIX_FADV_WILLNEED)
-                    except OSError:  # only a hint: the reader reads it all the same
-                        pass
                 asked += length
         finally:
             if opened is not None:
