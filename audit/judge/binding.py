@@ -24,6 +24,7 @@ from audit.checks.binding import (
     ROUNDED_DTYPES,
     ROW_TOLERANCE,
     key_positions,
+    keys_fit,
     nearest_tokens,
     pages_keys_fit,
     placed_keys,
@@ -200,17 +201,18 @@ def bind_values(records: list[KeyRecord], values: Values, readings: list, bindin
     keyed: dict[int, tuple] = {}  # id(images) -> (images, attention pages bound: their K checked as one batch)
     stacked, one_by_one = _stacked_rows(judged, records, values, readings, bindings)
     later_of = {i: _readings(records[i], values.value(i), readings[i], bindings) for i in one_by_one}
-    for images, members, rows, tolerance, wheres in stacked:
+    for images, members, rows, tolerance, wheres, probed in stacked:
         tokens, distances = nearest_tokens(rows.reshape(-1, images.columns), images, tolerance)
         tokens, distances = tokens.reshape(len(members), -1), distances.reshape(len(members), -1)
         binds = (distances <= tolerance).all(axis=1)
         decoded[images.model] += len(members)
         if bindings.prefixes is not None:  # the keys bound at once: their prefixes compared as one batch
             of_prefix.append((images, [records[members[j]] for j in np.flatnonzero(binds).tolist()], tokens[binds]))
-        if wheres is not None and images.keys is not None:  # attention pages bound: their K at their positions?
-            pages = keyed.setdefault(id(images), (images, []))[1]
-            pages += [(records[members[j]], values.value(members[j]), wheres[j], tokens[j])
-                      for j in np.flatnonzero(binds).tolist()]
+        if probed is not None:  # attention pages bound: their K at their positions, as one array?
+            at = np.flatnonzero(binds)
+            bindings.count_k_checked(bind_stacked_keys(
+                [(records[members[j]], values.value(members[j]), wheres[j]) for j in at.tolist()],
+                probed[at], tokens[at], images.keys))
         for j in np.flatnonzero(~binds).tolist():  # the first reading, decoded, does not bind:
             i = members[j]                         # the later ones are made one at a time
             tried[i] = [(images, tokens[j], distances[j], None if wheres is None else wheres[j], tolerance)]
@@ -265,7 +267,9 @@ def _stacked_rows(judged: list[int], records, values: Values, readings,
                   bindings: Bindings) -> tuple[list, list]:
     """The first readings that are conv states, or attention pages whose every row is their block's
     (in the CPU backend's byte order), stacked per (images, region): a list of (images, record
-    indices, rows (keys, rows, columns), tolerance, each page's `where` (None for conv states)); and
+    indices, rows (keys, rows, columns), tolerance, each page's `where` (None for conv states), each
+    page's K rows on the key table's columns (`probed_key_rows`' (keys, rows, columns), where the
+    images have K; else None)); and
     the record indices left to read one at a time (a partial tail block, whose rows depend on its
     record; values in GPU memory given without their buffer; a width that does not fit the images,
     which `_readings` reports)."""
@@ -298,14 +302,18 @@ def _stacked_rows(judged: list[int], records, values: Values, readings,
         numbers = decode_floats(_gathered(values, members, region), region.dtype) if members else None
         if numbers is None:
             continue
+        probed = None
         if images.region == "v":  # (heads, K|V, tokens, head_size) a page: each token's V over the heads
             heads, tokens, width = region.shape
             rows = numbers.reshape(len(members), heads, 2, tokens, width // 2)[:, :, 1].transpose(0, 2, 1, 3)
             rows = np.ascontiguousarray(rows.reshape(len(members), tokens, heads * (width // 2)), dtype=np.float32)
+            if images.keys is not None:  # K as `key_rows` reads it first: a head's K transposed (head_size, tokens)
+                keys = numbers.reshape(len(members), heads, 2, width // 2, tokens)[:, images.keys.head, 0]
+                probed = np.ascontiguousarray(keys[:, images.keys.columns].transpose(0, 2, 1), dtype=np.float32)
         else:
             rows = numbers.reshape(len(members), *region.shape).astype(np.float32)
             rows = rows if region.shape[0] <= region.shape[1] else rows.transpose(0, 2, 1)
-        stacked.append((images, members, rows, row_tolerance(region.dtype), wheres))
+        stacked.append((images, members, rows, row_tolerance(region.dtype), wheres, probed))
     return stacked, one_by_one
 
 
@@ -475,6 +483,33 @@ def bind_keys(pages: list[tuple], images) -> int:
     for j, (record, value, where, tokens) in enumerate(pages):
         if j not in fitted:
             _bind_page_keys(record, value, where, tokens, keys)
+    return len(pages)
+
+
+def bind_stacked_keys(pages: list[tuple], probed: np.ndarray, tokens: np.ndarray, keys) -> int:
+    """`bind_keys` of attention pages of one region read as one array (`_stacked_rows`): each page
+    (record, value, (region, byte order 0, recorded start)), its K rows on the key table's columns
+    (`probed`: pages, rows, columns) and the tokens its V rows bound to (pages, rows). The starts not
+    recorded decoded at once, every row's distance at its position taken at once; a page that does
+    not fit there judged alone, every way its K may lie (`_bind_page_keys`). How many pages were checked."""
+    if not pages:
+        return 0
+    region, rows = pages[0][2][0], probed.shape[1]
+    recorded = [start for _, _, (_, _, start) in pages]
+    starts = np.array([0 if start is None else start for start in recorded], np.int64)
+    placed = np.array([start is not None for start in recorded])
+    if not placed.all():
+        unrecorded = np.flatnonzero(~placed)
+        decoded = decode_starts(probed[unrecorded].view(np.complex64), keys.turned[tokens[unrecorded]],
+                                keys.rotary, keys.pairs)
+        starts[unrecorded] = decoded
+        placed[unrecorded] = decoded % region.shape[1] == 0  # (a block starts at a multiple of its rows)
+    positions = starts[:, None] + np.arange(rows)
+    fits = keys_fit(probed.reshape(-1, probed.shape[2]), tokens.reshape(-1).astype(np.int64), positions.reshape(-1),
+                    keys, row_tolerance(region.dtype)).reshape(len(pages), rows).all(axis=1) & placed
+    for j in np.flatnonzero(~fits).tolist():
+        record, value, where = pages[j]
+        _bind_page_keys(record, value, where, tokens[j], keys)
     return len(pages)
 
 
