@@ -38,7 +38,7 @@ from audit.layouts import LayoutError
 from audit.layouts.checkpoint import Checkpoint
 from audit.layouts.weights import token_images
 from audit.layouts.rotary import decode_starts
-from audit.prefixrecords import CONV, KV, record_start, window_and_digest
+from audit.prefixrecords import CONV, KV, hash_key, record_start, window_and_digest
 from audit.prefixtable import PrefixTable
 from audit.producers.vllm import split_stem
 from audit.records import KeyRecord, Verdict
@@ -294,7 +294,7 @@ def _stacked_rows(judged: list[int], records, values: Values, readings,
     for images, region, members in groups.values():
         wheres = None
         if images.region == "v":  # a page's rows are its block's where its record says all of them are
-            blocks = [_block_record(records[i], "v", bindings.prefixes) for i in members]
+            blocks = _block_records([records[i] for i in members], bindings.prefixes)
             whole = [block is None or window_and_digest(block)[0] >= region.shape[1] for block in blocks]
             one_by_one += [i for i, kept in zip(members, whole) if not kept]
             members, blocks = [i for i, kept in zip(members, whole) if kept], [b for b, kept in zip(blocks, whole) if kept]
@@ -404,6 +404,17 @@ def _block_record(record: KeyRecord, kind: str, prefixes: PrefixTable | None):
         return None
     split = split_stem(record.key)
     return prefixes.packed(split[1], KV) if split else None
+
+
+def _block_records(records: list[KeyRecord], prefixes: PrefixTable | None) -> list:
+    """`_block_record` of attention pages, their hex hashes looked up at once (`packed_many`); a hash
+    that is not hex alone."""
+    if prefixes is None:
+        return [None] * len(records)
+    keys = [hash_key(split[1]) if (split := split_stem(record.key)) else None for record in records]
+    found = prefixes.packed_many([key if isinstance(key, bytes) else None for key in keys], KV)
+    return [_block_record(record, KV, prefixes) if isinstance(key, str) else block
+            for record, key, block in zip(records, keys, found)]
 
 
 def token_rows(value, region, kind: str) -> Iterator[np.ndarray]:
