@@ -216,14 +216,3 @@ def _key_misses(probed: np.ndarray, tokens: np.ndarray, positions: np.ndarray, k
     squares = keys.table_squares[tokens] if rotary.magnitude == 1.0 else \
         keys.table_squares[tokens] * np.float32(rotary.magnitude ** 2)
     return np.square(missed.view(np.float32)).sum(axis=1), np.maximum(squares, _TINY)
-
-
-def pages_keys_fit(probed: list[np.ndarray], tokens: list[np.ndarray], positions: list[np.ndarray], keys,
-                   tolerances: list[float]) -> list[bool]:
-    """Whether each page's K rows (`probed_key_rows`, with their tokens and positions) are all within
-    its tolerance (`row_tolerance` of its dtype) of their tokens' K there: every page's rows judged
-    as one array."""
-    counts = np.fromiter(map(len, probed), np.int64, len(probed))
-    near = keys_fit(np.concatenate(probed).astype(np.float32, copy=False), np.concatenate(tokens).astype(np.int64),
-                    np.concatenate(positions), keys, np.repeat(np.asarray(tolerances, np.float32), counts))
-    return np.logical_and.reduceat(near, np.cumsum(counts) - counts).tolist()

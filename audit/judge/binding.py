@@ -26,7 +26,6 @@ from audit.checks.binding import (
     key_positions,
     keys_fit,
     nearest_tokens,
-    pages_keys_fit,
     placed_keys,
     probed_key_rows,
     row_tolerance,
@@ -476,30 +475,24 @@ def bind_keys(pages: list[tuple], images) -> int:
     tokens' K at consecutive positions from its block's start: the start its producer recorded for
     the key's hash, else any multiple of the page's rows (`key_positions`): KV computed at other
     positions (a block of the same tokens from elsewhere in a prompt, an off-by-some position), or K
-    of other tokens than its V. Read in their V's order, the pages are judged as one array, at the
-    start recorded or else decoded (`decode_starts`, every page at once); any that do not fit there
-    one at a time, every way. How many pages were checked."""
+    of other tokens than its V. Each page's K rows read in its V's order, pages of one region and row
+    count are judged as one array (`bind_stacked_keys`). How many pages were checked."""
     keys = images.keys
     probed = [probed_key_rows(next(key_rows(value, region, order, keys.head))[:len(tokens)], keys)
               for _, value, (region, order, _), tokens in pages]
-    starts = [start for _, _, (_, _, start), _ in pages]
-    unrecorded = [j for j, start in enumerate(starts) if start is None]
-    for j, start in zip(unrecorded, _decoded_starts([probed[j] for j in unrecorded], [pages[j][3] for j in unrecorded], keys)):
-        starts[j] = start if start % pages[j][2][0].shape[1] == 0 else None  # (a block starts at a multiple of its rows)
-    placed = [j for j, start in enumerate(starts) if start is not None]
-    fits = pages_keys_fit([probed[j] for j in placed], [pages[j][3] for j in placed],
-                          [starts[j] + np.arange(len(probed[j])) for j in placed], keys,
-                          [row_tolerance(pages[j][2][0].dtype) for j in placed]) if placed else []
-    fitted = {j for j, fit in zip(placed, fits) if fit}
-    for j, (record, value, where, tokens) in enumerate(pages):
-        if j not in fitted:
-            _bind_page_keys(record, value, where, tokens, keys)
+    groups: dict[tuple, list[int]] = {}
+    for j, (_, _, (region, _, _), _) in enumerate(pages):
+        groups.setdefault((id(region), len(probed[j])), []).append(j)
+    for members in groups.values():
+        bind_stacked_keys([pages[j][:3] for j in members], np.stack([probed[j] for j in members]),
+                          np.stack([np.asarray(pages[j][3])[:len(probed[j])] for j in members]), keys)
     return len(pages)
 
 
 def bind_stacked_keys(pages: list[tuple], probed: np.ndarray, tokens: np.ndarray, keys) -> int:
-    """`bind_keys` of attention pages of one region read as one array (`_stacked_rows`): each page
-    (record, value, (region, byte order 0, recorded start)), its K rows on the key table's columns
+    """`bind_keys` of attention pages of one region and row count, as one array (a batch's stacked
+    pages, `_stacked_rows`, or those `bind_keys` read one at a time): each page (record, value,
+    (region, byte order, recorded start)), its K rows on the key table's columns
     (`probed`: pages, rows, columns) and the tokens its V rows bound to (pages, rows). The starts not
     recorded decoded at once, every row's distance at its position taken at once; a page that does
     not fit there judged alone, every way its K may lie (`_bind_page_keys`). How many pages were checked."""
@@ -522,21 +515,6 @@ def bind_stacked_keys(pages: list[tuple], probed: np.ndarray, tokens: np.ndarray
         record, value, where = pages[j]
         _bind_page_keys(record, value, where, tokens[j], keys)
     return len(pages)
-
-
-def _decoded_starts(probed: list[np.ndarray], tokens: list, keys) -> list[int]:
-    """`decode_starts` of pages' K rows (`probed_key_rows`) and their tokens, the pages of one row
-    count as one array."""
-    starts = [0] * len(probed)
-    by_rows: dict[int, list[int]] = {}
-    for j, rows in enumerate(probed):
-        by_rows.setdefault(len(rows), []).append(j)
-    for members in by_rows.values():
-        observed = np.stack([probed[j] for j in members]).view(np.complex64)
-        pre = keys.turned[np.stack([np.asarray(tokens[j])[:len(probed[j])] for j in members])]
-        for j, start in zip(members, decode_starts(observed, pre, keys.rotary, keys.pairs).tolist()):
-            starts[j] = start
-    return starts
 
 
 def _bind_page_keys(record: KeyRecord, value, where: tuple, tokens, keys) -> None:
