@@ -254,7 +254,11 @@ def decode_starts(observed: np.ndarray, pre: np.ndarray, rotary: Rotary, pairs: 
     position (`audit.checks.binding.key_distances`), never by this estimate."""
     freqs = rotary.inv_freq[pairs].astype(np.float64)
     steps = np.arange(observed.shape[1], dtype=np.float64)[:, None] * freqs
-    turned = (observed.astype(np.complex128) * np.conj(pre) * np.exp(-1j * steps)).sum(axis=1)  # (pages, pairs)
+    # every row's products in complex64 (K rows hold float32 at best: its rounding is theirs), summed
+    # over the rows, then (pages, pairs) in float64
+    turned = np.asarray(observed, np.complex64) * np.conj(np.asarray(pre, np.complex64))
+    turned *= np.exp(-1j * steps).astype(np.complex64)
+    turned = turned.sum(axis=1).astype(np.complex128)  # (pages, pairs)
     strength = np.abs(turned)
     strong = strength > 1e-3 * strength.max(axis=1, keepdims=True)
     order = np.argsort(rotary.inv_freq[pairs], kind="stable")  # slowest first
@@ -267,7 +271,7 @@ def decode_starts(observed: np.ndarray, pre: np.ndarray, rotary: Rotary, pairs: 
             narrowed = (phases[:, i] + 2 * math.pi * np.round((estimate * freqs[i] - phases[:, i]) / (2 * math.pi))) / freqs[i]
             estimate = np.where(strong[:, i] & (slowest != i), narrowed, estimate)
         start = np.maximum(np.round(estimate), 0).astype(np.int64)
-        off = np.angle(np.exp(1j * (start[:, None] * freqs - phases)))
+        off = np.remainder(start[:, None] * freqs - phases + math.pi, 2 * math.pi) - math.pi  # each pair's miss, within half a turn
         miss = np.where(strong, strength * np.abs(off), 0.0).sum(axis=1)
         better = valid & (miss < missed)
         best, missed = np.where(better, start, best), np.where(better, miss, missed)
