@@ -221,16 +221,18 @@ class PrefixTable:
             return table.packed(row)
         return self.rest.packed(chunk_hash, region)  # (a hash is in a table or here, never both)
 
-    def tabled(self, hashes: np.ndarray, region: str = CONV) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def tabled(self, hashes: np.ndarray, region: str = CONV) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The table records of hex hashes given as one S{length} array of their bytes: whether each
-        has one, and its digest and window (0 where it has none: a hash with no table record may
-        still have one in `rest`)."""
+        has one, and its digest, window and start (0 where it has none: a hash with no table record
+        may still have one in `rest`; the start + 1 as the table keeps it, 0 where none was recorded)."""
         table = self.tables.get((region, hashes.dtype.itemsize))
         if table is None:
-            return np.zeros(len(hashes), bool), np.zeros(len(hashes), np.uint64), np.zeros(len(hashes), np.uint32)
+            nothing = np.zeros(len(hashes), np.uint32)
+            return np.zeros(len(hashes), bool), np.zeros(len(hashes), np.uint64), nothing, nothing
         rows = table.rows(hashes)
         found = rows >= 0
-        return found, np.where(found, table.digests[rows], 0), np.where(found, table.windows[rows], 0)
+        starts = np.zeros(len(hashes), np.uint32) if table.starts is None else np.where(found, table.starts[rows], 0)
+        return found, np.where(found, table.digests[rows], 0), np.where(found, table.windows[rows], 0), starts
 
     def packed_many(self, keys: list[bytes | None], region: str = CONV) -> list:
         """`packed` of each hex hash given as its bytes (None: no record)."""

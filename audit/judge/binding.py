@@ -32,12 +32,12 @@ from audit.checks.binding import (
 )
 from audit.checks.floats import FLOAT_DTYPES, decode_floats
 from audit.judge.fingerprints import ProducerWeights
-from audit.judge.prefixes import check_prefixes, supplied_rows
+from audit.judge.prefixes import check_prefixes, hex_hashes, supplied_rows
 from audit.layouts import LayoutError
 from audit.layouts.checkpoint import Checkpoint
 from audit.layouts.weights import token_images
 from audit.layouts.rotary import decode_starts
-from audit.prefixrecords import CONV, KV, hash_key, record_start, window_and_digest
+from audit.prefixrecords import CONV, KV, record_start, window_and_digest
 from audit.prefixtable import PrefixTable
 from audit.producers.vllm import split_stem
 from audit.records import KeyRecord, Verdict
@@ -210,7 +210,7 @@ def bind_values(records: list[KeyRecord], values: Values, readings: list, bindin
         if probed is not None:  # attention pages bound: their K at their positions, as one array?
             at = np.flatnonzero(binds)
             bindings.count_k_checked(bind_stacked_keys(
-                [(records[members[j]], values.value(members[j]), wheres[j]) for j in at.tolist()],
+                [(records[members[j]], members[j], wheres[j]) for j in at.tolist()], values.value,
                 probed[at], tokens[at], images.keys))
         for j in np.flatnonzero(~binds).tolist():  # the first reading, decoded, does not bind:
             i = members[j]                         # the later ones are made one at a time
@@ -293,11 +293,11 @@ def _stacked_rows(judged: list[int], records, values: Values, readings,
     for images, region, members in groups.values():
         wheres = None
         if images.region == "v":  # a page's rows are its block's where its record says all of them are
-            blocks = _block_records([records[i] for i in members], bindings.prefixes)
-            whole = [block is None or window_and_digest(block)[0] >= region.shape[1] for block in blocks]
+            windows, starts = _block_records([records[i] for i in members], bindings.prefixes)
+            whole = [window is None or window >= region.shape[1] for window in windows]
             one_by_one += [i for i, kept in zip(members, whole) if not kept]
-            members, blocks = [i for i, kept in zip(members, whole) if kept], [b for b, kept in zip(blocks, whole) if kept]
-            wheres = [(region, 0, record_start(block)) for block in blocks]
+            members = [i for i, kept in zip(members, whole) if kept]
+            wheres = [(region, 0, start) for start, kept in zip(starts, whole) if kept]
         numbers = decode_floats(_gathered(values, members, region), region.dtype) if members else None
         if numbers is None:
             continue
@@ -405,15 +405,24 @@ def _block_record(record: KeyRecord, kind: str, prefixes: PrefixTable | None):
     return prefixes.packed(split[1], KV) if split else None
 
 
-def _block_records(records: list[KeyRecord], prefixes: PrefixTable | None) -> list:
-    """`_block_record` of attention pages, their hex hashes looked up at once (`packed_many`); a hash
-    that is not hex alone."""
+def _block_records(records: list[KeyRecord], prefixes: PrefixTable | None) -> tuple[list, list]:
+    """`_block_record` of attention pages, as two lists: how many of each page's rows are its block's
+    tokens (None: no record) and the block's start (None: not recorded). A batch of hex hashes of one
+    length is looked up as one array (`hex_hashes`, `PrefixTable.tabled`); a hash no table holds,
+    and every other batch, one at a time."""
     if prefixes is None:
-        return [None] * len(records)
-    keys = [hash_key(split[1]) if (split := split_stem(record.key)) else None for record in records]
-    found = prefixes.packed_many([key if isinstance(key, bytes) else None for key in keys], KV)
-    return [_block_record(record, KV, prefixes) if isinstance(key, str) else block
-            for record, key, block in zip(records, keys, found)]
+        return [None] * len(records), [None] * len(records)
+    hashes = hex_hashes([record.key for record in records]) if isinstance(prefixes, PrefixTable) else None
+    if hashes is None:
+        found, windows, starts = np.zeros(len(records), bool), [None] * len(records), [None] * len(records)
+    else:
+        found, _, windows, starts = prefixes.tabled(hashes, KV)
+        windows, starts = windows.tolist(), (starts.astype(np.int64) - 1).tolist()
+    for j in np.flatnonzero(~found).tolist():
+        block = _block_record(records[j], KV, prefixes)
+        windows[j] = None if block is None else window_and_digest(block)[0]
+        starts[j] = record_start(block)
+    return windows, [None if start is not None and start < 0 else start for start in starts]
 
 
 def token_rows(value, region, kind: str) -> Iterator[np.ndarray]:
@@ -484,15 +493,18 @@ def bind_keys(pages: list[tuple], images) -> int:
     for j, (_, _, (region, _, _), _) in enumerate(pages):
         groups.setdefault((id(region), len(probed[j])), []).append(j)
     for members in groups.values():
-        bind_stacked_keys([pages[j][:3] for j in members], np.stack([probed[j] for j in members]),
+        bind_stacked_keys([(pages[j][0], j, pages[j][2]) for j in members], lambda j: pages[j][1],
+                          np.stack([probed[j] for j in members]),
                           np.stack([np.asarray(pages[j][3])[:len(probed[j])] for j in members]), keys)
     return len(pages)
 
 
-def bind_stacked_keys(pages: list[tuple], probed: np.ndarray, tokens: np.ndarray, keys) -> int:
+def bind_stacked_keys(pages: list[tuple], value_of: Callable[[int], object], probed: np.ndarray,
+                      tokens: np.ndarray, keys) -> int:
     """`bind_keys` of attention pages of one region and row count, as one array (a batch's stacked
-    pages, `_stacked_rows`, or those `bind_keys` read one at a time): each page (record, value,
-    (region, byte order, recorded start)), its K rows on the key table's columns
+    pages, `_stacked_rows`, or those `bind_keys` read one at a time): each page (record, its value's
+    index for `value_of`, which is asked only for a page that does not fit, (region, byte order,
+    recorded start)), its K rows on the key table's columns
     (`probed`: pages, rows, columns) and the tokens its V rows bound to (pages, rows). The starts not
     recorded decoded at once, every row's distance at its position taken at once; a page that does
     not fit there judged alone, every way its K may lie (`_bind_page_keys`). How many pages were checked."""
@@ -512,8 +524,8 @@ def bind_stacked_keys(pages: list[tuple], probed: np.ndarray, tokens: np.ndarray
     fits = keys_fit(probed.reshape(-1, probed.shape[2]), tokens.reshape(-1).astype(np.int64), positions.reshape(-1),
                     keys, row_tolerance(region.dtype)).reshape(len(pages), rows).all(axis=1) & placed
     for j in np.flatnonzero(~fits).tolist():
-        record, value, where = pages[j]
-        _bind_page_keys(record, value, where, tokens[j], keys)
+        record, index, where = pages[j]
+        _bind_page_keys(record, value_of(index), where, tokens[j], keys)
     return len(pages)
 
 

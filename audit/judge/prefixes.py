@@ -132,6 +132,26 @@ def check_prefixes(records: list[KeyRecord], token_rows, images, prefixes: Prefi
     return checked
 
 
+def hex_hashes(keys: list[str]) -> np.ndarray | None:
+    """The chunk hashes of vLLM keys (``...@hash``) as one S{length} array of their bytes, as the tables
+    keep them (`hash_key`), with no string or bytes object a key: where every key has one and all are
+    hex of one length (a batch of one producer's keys, as a rule); None otherwise."""
+    split = [key.rpartition("@") for key in keys]
+    if not split:
+        return None
+    width = len(split[0][2])
+    text = "".join(chunk_hash for _, _, chunk_hash in split)
+    if not width or width % 2 or len(text) != width * len(split) or not all(stem for stem, _, _ in split):
+        return None
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        return None
+    if len(raw) * 2 != len(text):  # (fromhex passes over whitespace)
+        return None
+    return np.frombuffer(raw, f"S{width // 2}")
+
+
 def _settled_at_once(records: list[KeyRecord], token_rows, region: str, prefixes) -> np.ndarray:
     """Which keys' decoded tokens (`token_rows`: one array of a row a key) digest to their hash's
     table record: vLLM keys whose hashes are hex of one length, looked up and compared as arrays
@@ -139,18 +159,10 @@ def _settled_at_once(records: list[KeyRecord], token_rows, region: str, prefixes
     settled = np.zeros(len(records), bool)
     if not isinstance(token_rows, np.ndarray) or not isinstance(prefixes, PrefixTable) or not records:
         return settled
-    split = [record.key.rpartition("@") for record in records]
-    width = len(split[0][2])
-    text = "".join(chunk_hash for _, _, chunk_hash in split)
-    if width % 2 or len(text) != width * len(split) or not all(stem for stem, _, _ in split):
+    hashes = hex_hashes([record.key for record in records])
+    if hashes is None:
         return settled
-    try:
-        raw = bytes.fromhex(text)
-    except ValueError:
-        return settled
-    if len(raw) * 2 != len(text):  # (fromhex passes over whitespace)
-        return settled
-    found, digests, windows = prefixes.tabled(np.frombuffer(raw, f"S{width // 2}"), region)
+    found, digests, windows, _ = prefixes.tabled(hashes, region)
     for window in np.unique(windows[found & (windows <= token_rows.shape[1])]).tolist():
         members = np.flatnonzero(found & (windows == window))
         chosen = token_rows[members, token_rows.shape[1] - window:] if region == CONV else token_rows[members, :window]

@@ -37,6 +37,21 @@ def _scan(cli_args, namespace, model_dir, *extra):
     return result.exit_code, document
 
 
+def _records(lines: list[str], tabled: bool, directory):
+    """The prefix records of `lines`, as the guards keep them (a `PrefixRecords`, a line at a time) or
+    as a scan reads them from files (`read_prefix_records`: sorted tables, looked up a batch at once)."""
+    from audit.prefixrecords import PrefixRecords, parse_prefix_record
+    from audit.prefixtable import read_prefix_records
+
+    if not tabled:
+        records = PrefixRecords()
+        for line in lines:
+            records.add(*parse_prefix_record(json.loads(line)))
+        return records
+    (directory / "prefixes-test-0-0000.jsonl").write_text("".join(line + "\n" for line in lines))
+    return read_prefix_records([directory])
+
+
 def test_rows_of_other_weights_or_garbage_are_weights_mismatch(publisher, cli_args, namespace, tmp_path):
     ours = tmp_path / MODEL
     tiny_mamba2_checkpoint(ours, seed=0)
@@ -164,7 +179,8 @@ def _rotated_k(tensors: dict, tokens, positions, kv_heads: int) -> np.ndarray:
     return np.concatenate([first, second], axis=-1).reshape(len(tokens), kv_heads * HEAD).astype(np.float32)
 
 
-def test_attention_k_rows_bind_to_their_blocks_positions(tmp_path):
+@pytest.mark.parametrize("tabled", [False, True], ids=["records", "tables"])
+def test_attention_k_rows_bind_to_their_blocks_positions(tmp_path, tabled):
     """Layer 0's K is the token's K turned to its position: a page of a block's tokens at the block's
     positions binds (the CPU backend's transposed K, K by token, and a token-major page); K turned to positions
     not a block's start, or a row's K of its neighbour's token, is PREFIX_MISMATCH (evidence
@@ -172,7 +188,7 @@ def test_attention_k_rows_bind_to_their_blocks_positions(tmp_path):
     whose tokens are its record's but whose K is at positions other than the start it recorded."""
     from audit.judge.binding import Bindings, Values, bind_values
     from audit.judge.key import judge_read
-    from audit.prefixrecords import PrefixDigest, PrefixRecords, prefix_digest
+    from audit.prefixrecords import prefix_line
     from audit.records import KeyInfo
     from tests.layouts.test_images import HEAD, llama_checkpoint
 
@@ -197,9 +213,9 @@ def test_attention_k_rows_bind_to_their_blocks_positions(tmp_path):
     for record in records:
         record.verdicts.clear()
     bindings = Bindings.of([ours])
-    bindings.prefixes = PrefixRecords()  # the first block recorded at its own start, the last at 16
-    bindings.prefixes.add(f"{0:064x}", None, PrefixDigest(16, prefix_digest(tokens.tolist()), 48))
-    bindings.prefixes.add(f"{5:064x}", None, PrefixDigest(16, prefix_digest(tokens.tolist()), 16))
+    # the first block recorded at its own start, the last at 16
+    bindings.prefixes = _records([prefix_line(f"{0:064x}", None, None, tokens.tolist(), 48),
+                                  prefix_line(f"{5:064x}", None, None, tokens.tolist(), 16)], tabled, tmp_path)
     bind_values(records, Values.listed(values), [(layout,)] * len(values), bindings)
     assert [record.verdicts for record in records] == [[], [], ["PREFIX_MISMATCH"], ["PREFIX_MISMATCH"], [],
                                                        ["PREFIX_MISMATCH"]]
@@ -249,7 +265,8 @@ def test_mla_values_are_bound_by_layer_0s_latent_and_a_one_head_page_stays_v(tmp
     assert min(row["distance"] for row in evidence["rows"]) > evidence["row_tolerance"]
 
 
-def test_an_attention_block_of_other_tokens_under_its_hash_is_prefix_mismatch(tmp_path):
+@pytest.mark.parametrize("tabled", [False, True], ids=["records", "tables"])
+def test_an_attention_block_of_other_tokens_under_its_hash_is_prefix_mismatch(tmp_path, tabled):
     """A KV block's record names the block's own tokens (issue #40 §3): a page whose V rows are
     images of other tokens is PREFIX_MISMATCH (evidence region "v"); a partial tail block is judged
     on the rows its record names (its later rows hold whatever the page held before: here no
@@ -257,7 +274,7 @@ def test_an_attention_block_of_other_tokens_under_its_hash_is_prefix_mismatch(tm
     WEIGHTS_MISMATCH; a block without a record is judged on its weights alone."""
     from audit.judge.binding import Bindings, Values, bind_values
     from audit.judge.key import judge_read
-    from audit.prefixrecords import PrefixRecords, parse_prefix_record, prefix_line
+    from audit.prefixrecords import prefix_line
     from audit.records import KeyInfo
     from tests.layouts.test_images import llama_checkpoint
 
@@ -279,9 +296,8 @@ def test_an_attention_block_of_other_tokens_under_its_hash_is_prefix_mismatch(tm
     for record in records:
         record.verdicts.clear()
     bindings = Bindings.of([ours])
-    bindings.prefixes = PrefixRecords()
-    for chunk_hash, tokens in zip(hashes[:4], (blocks[0], blocks[1], blocks[2][:5], blocks[3])):
-        bindings.prefixes.add(*parse_prefix_record(json.loads(prefix_line(chunk_hash, None, None, list(tokens)))))
+    bindings.prefixes = _records([prefix_line(chunk_hash, None, None, list(tokens)) for chunk_hash, tokens
+                                  in zip(hashes[:4], (blocks[0], blocks[1], blocks[2][:5], blocks[3]))], tabled, tmp_path)
     bind_values(records, Values.listed(values), [(layout,)] * len(values), bindings)
     assert [record.verdicts for record in records] == [[], ["PREFIX_MISMATCH"], [], ["WEIGHTS_MISMATCH"], []]
     evidence = records[1].evidence["prefix_mismatch"]
