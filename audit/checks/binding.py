@@ -50,7 +50,7 @@ def nearest_tokens(rows: np.ndarray, images, tolerance: float = ROW_TOLERANCE) -
     rows = np.asarray(rows, dtype=np.float32)
     if rows.ndim != 2 or rows.shape[1] != images.columns:
         raise ValueError(f"rows of shape {rows.shape}: the images have {images.columns} columns")
-    return nearest_on_checked(rows[:, images.check_columns], images, tolerance)
+    return nearest_on_checked(rows if images.checks_every_column else rows[:, images.check_columns], images, tolerance)
 
 
 def nearest_on_checked(checked: np.ndarray, images, tolerance: float = ROW_TOLERANCE) -> tuple[np.ndarray, np.ndarray]:

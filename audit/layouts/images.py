@@ -135,6 +135,12 @@ class TokenImages:
         return np.unique(np.linspace(0, self.columns - 1, min(CHECK_COLUMNS, self.columns)).astype(np.int64))
 
     @cached_property
+    def checks_every_column(self) -> bool:
+        """Whether `check_columns` is every column in order (an image of at most CHECK_COLUMNS): a
+        row is then compared as it is, with no copy of its columns."""
+        return len(self.check_columns) == self.columns
+
+    @cached_property
     def probe_index(self) -> np.ndarray:
         """Which of the check columns are the probe's: evenly spread, at most PROBE_COLUMNS."""
         return np.unique(np.linspace(0, len(self.check_columns) - 1,
