@@ -19,7 +19,8 @@ def token_images(directory: Path, model: str, tp_size: int, tp_rank: int) -> Tok
     config = read_config(load_hf_config(directory))
     family = family_of(config)
     if family.token_images is None:
-        raise LayoutError(f"model_type {config.model_type!r}: no layer-0 image rule yet (not bound)")
+        why = family.no_token_rows or "no layer-0 image rule yet"
+        raise LayoutError(f"model_type {config.model_type!r}: {why} (not bound)")
     if not Checkpoint.found(directory):
         raise LayoutError(f"{directory}: no safetensors weights (not bound)")
     images = family.token_images(config.text, Checkpoint(directory), model, tp_size, tp_rank)

@@ -103,10 +103,10 @@ def test_what_is_not_bound_says_why(tmp_path):
     (tmp_path / "noweights" / "config.json").write_text(json.dumps({"model_type": "mamba2"}))
     with pytest.raises(LayoutError, match="no safetensors"):
         token_images(tmp_path / "noweights", "m", 1, 0)
-    (tmp_path / "linear").mkdir()  # Bailing's linear attention: no rule yet
+    (tmp_path / "linear").mkdir()  # Bailing's linear attention: a state summed over the prefix, no row a token
     (tmp_path / "linear" / "config.json").write_text(json.dumps(
         {"model_type": "bailing_hybrid", "architectures": ["BailingMoeV2_5ForCausalLM"]}))
-    with pytest.raises(LayoutError, match="no layer-0 image rule"):
+    with pytest.raises(LayoutError, match="decayed sum over every token of the prefix"):
         token_images(tmp_path / "linear", "m", 1, 0)
     tiny_mamba2_checkpoint(tmp_path / "int8")
     path = tmp_path / "int8" / "model.safetensors"

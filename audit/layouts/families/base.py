@@ -42,8 +42,10 @@ class Family:
     build: Callable[[dict, Options], list[Layout]]
     default_block: int | None = None
     # ``token_images(text_config, checkpoint, model, tp_size, tp_rank)``: layer 0's state rows of
-    # every token (`audit.layouts.images`), or None: this family's keys are not bound to tokens yet
+    # every token (`audit.layouts.images`), or None: this family's keys are not bound to tokens
     token_images: Callable | None = None
+    # where it has no `token_images` because its layer 0 holds no row a token: what it holds instead
+    no_token_rows: str = ""
 
 
 def attention_shape(config: dict, options: Options) -> AttentionShape:

@@ -26,4 +26,6 @@ def _bailing_linear(config: dict, options: Options) -> list[Layout]:
     return build_layouts(config, options, "linear_attention", states, kinds, latent)
 
 
-BAILING_LINEAR = Family("bailing_linear", _bailing_linear)
+BAILING_LINEAR = Family("bailing_linear", _bailing_linear, no_token_rows=(
+    "layer 0 is linear attention, whose one state is a decayed sum over every token of the prefix "
+    "(heads, d, d): no row of it is one token's image"))
