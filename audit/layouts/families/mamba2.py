@@ -158,8 +158,9 @@ def _mamba2_rule(config: dict, checkpoint, model: str, tp_size: int, tp_rank: in
     bias_name, bias = in_proj.replace(".weight", ".bias"), None
     if bias_name in checkpoint:  # (``use_bias``: MambaMixer2's in_proj adds it before the conv sees xBC)
         if tp_size > 1 and n_groups % tp_size:
-            raise LayoutError(f"{bias_name}: with one group replicated over TP {tp_size}, vLLM 0.32 loads the bias "
-                              f"as a plain column shard, not as the weight's rows (no image rule: not bound)")
+            raise LayoutError(f"{bias_name}: with one group replicated over TP {tp_size}, vLLM 0.32 cannot load "
+                              f"this checkpoint (the bias is sharded as a plain column of the replicated groups' "
+                              f"width, past the tensor's end on the last rank): it publishes no such key (not bound)")
         bias = checkpoint.tensor(bias_name)[xbc_rows]
         source["bias"] = bias_name + " (xBC)"
     if xbc_scale is not None:  # (the projection's output scaled: its bias with it)
